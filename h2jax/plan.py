@@ -1,0 +1,359 @@
+"""The plan file: dataclasses, JSON load/save, and validation with errors that name the field.
+
+A plan is the single interface between the planner and the runtime. Everything the runtime
+needs is here; nothing the plan records is re-derived elsewhere. No JAX import: validation
+runs before any backend starts, so bad input never reaches a compile or an allocation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from h2jax.cluster import load_chip
+from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
+
+FORMAT_VERSION = 1
+SCHEDULES = ("1f1b", "gpipe")
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+class PlanError(ConfigError):
+    """A plan field is wrong; the message names it and says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mesh:
+    data: int = 1
+    tensor: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.data * self.tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stage:
+    """A contiguous layer range `[layers[0], layers[1])` on chips of one type, on one mesh."""
+
+    chip: str
+    mesh: Mesh
+    layers: tuple[int, int]
+    recompute: str = "none"
+    devices: tuple[int, ...] | None = None  # local device ids (single-process runs)
+    processes: int = 1  # MPI processes this stage spans
+
+    @property
+    def n_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Optimizer:
+    """Per-stage optax optimizer settings; `clip_norm` clips by the norm over *all* stages."""
+
+    name: str = "adamw"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float | None = 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    model: ModelConfig
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    micro_batch: int  # sequences per micro-batch (the whole pipeline's; split over each stage's data axis)
+    stages: tuple[Stage, ...]
+    schedule: str = "1f1b"
+    seed: int = 0
+    optimizer: Optimizer = Optimizer()
+    predicted: Mapping[str, Any] | None = None
+    model_name: str | None = None  # the preset name when the model is a preset
+
+    @property
+    def n_micro(self) -> int:
+        return self.global_batch // self.micro_batch
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def n_devices(self) -> int:
+        return sum(s.mesh.size for s in self.stages)
+
+    @property
+    def n_processes(self) -> int:
+        return sum(s.processes for s in self.stages)
+
+    def with_stages(self, stages: list[Stage] | tuple[Stage, ...]) -> "Plan":
+        return dataclasses.replace(self, stages=tuple(stages))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "model": self.model_name or preset_name(self.model) or self.model.to_dict(),
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "schedule": self.schedule,
+            "seed": self.seed,
+            "optimizer": dataclasses.asdict(self.optimizer),
+            "stages": [_stage_to_dict(s) for s in self.stages],
+        }
+        if self.predicted is not None:
+            out["predicted"] = dict(self.predicted)
+        return out
+
+
+def _stage_to_dict(stage: Stage) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "chip": stage.chip,
+        "mesh": {"data": stage.mesh.data, "tensor": stage.mesh.tensor},
+        "layers": list(stage.layers),
+        "recompute": stage.recompute,
+    }
+    if stage.devices is not None:
+        out["devices"] = list(stage.devices)
+    if stage.processes != 1:
+        out["processes"] = stage.processes
+    return out
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _int_field(raw: Mapping[str, Any], key: str, where: str, minimum: int = 1) -> int:
+    if key not in raw:
+        raise PlanError(f"{where}.{key} is missing; add an integer >= {minimum}")
+    value = raw[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise PlanError(f"{where}.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _parse_stage(raw: Any, i: int) -> Stage:
+    where = f"stages[{i}]"
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"{where} must be an object with chip, mesh, layers")
+    known = {"chip", "mesh", "layers", "recompute", "devices", "processes"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise PlanError(f"{where}: unknown field(s) {unknown}; known fields: {sorted(known)}")
+    if "chip" not in raw:
+        raise PlanError(f"{where}.chip is missing; name a chip type from backends/, e.g. \"cpu\"")
+    mesh_raw = raw.get("mesh", {"data": 1, "tensor": 1})
+    if not isinstance(mesh_raw, Mapping) or set(mesh_raw) - {"data", "tensor"}:
+        raise PlanError(f"{where}.mesh must be an object {{\"data\": d, \"tensor\": t}}, got {mesh_raw!r}")
+    mesh = Mesh(
+        data=_int_field({"data": mesh_raw.get("data", 1)}, "data", f"{where}.mesh"),
+        tensor=_int_field({"tensor": mesh_raw.get("tensor", 1)}, "tensor", f"{where}.mesh"),
+    )
+    layers = raw.get("layers")
+    if (
+        not isinstance(layers, (list, tuple))
+        or len(layers) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+    ):
+        raise PlanError(f"{where}.layers must be [start, end) as two integers, got {layers!r}")
+    if layers[0] < 0 or layers[1] <= layers[0]:
+        raise PlanError(f"{where}.layers {list(layers)} must satisfy 0 <= start < end")
+    recompute = raw.get("recompute", "none")
+    if recompute not in RECOMPUTE_POLICIES:
+        raise PlanError(
+            f"{where}.recompute {recompute!r} is unknown; use one of {', '.join(RECOMPUTE_POLICIES)}"
+        )
+    devices = raw.get("devices")
+    if devices is not None:
+        if not isinstance(devices, (list, tuple)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices
+        ):
+            raise PlanError(f"{where}.devices must be a list of device ids >= 0, got {devices!r}")
+        if len(devices) != mesh.size:
+            raise PlanError(
+                f"{where}.devices lists {len(devices)} device(s) but mesh data*tensor = {mesh.size}; "
+                "list exactly one device per mesh position or drop the field"
+            )
+        if len(set(devices)) != len(devices):
+            raise PlanError(f"{where}.devices repeats a device id: {list(devices)}")
+        devices = tuple(devices)
+    processes = _int_field({"processes": raw.get("processes", 1)}, "processes", where)
+    if mesh.size % processes:
+        raise PlanError(
+            f"{where}.processes ({processes}) must divide the stage's device count "
+            f"data*tensor = {mesh.size}, so every process holds the same number of devices"
+        )
+    return Stage(
+        chip=str(raw["chip"]),
+        mesh=mesh,
+        layers=(layers[0], layers[1]),
+        recompute=recompute,
+        devices=devices,
+        processes=processes,
+    )
+
+
+def _parse_optimizer(raw: Any) -> Optimizer:
+    if raw is None:
+        return Optimizer()
+    if not isinstance(raw, Mapping):
+        raise PlanError("optimizer must be an object, e.g. {\"name\": \"adamw\", \"learning_rate\": 1e-3}")
+    fields = {f.name for f in dataclasses.fields(Optimizer)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise PlanError(f"optimizer: unknown field(s) {unknown}; known fields: {sorted(fields)}")
+    opt = Optimizer(**raw)
+    if opt.name not in OPTIMIZERS:
+        raise PlanError(f"optimizer.name {opt.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+    if not opt.learning_rate > 0:
+        raise PlanError(f"optimizer.learning_rate must be positive, got {opt.learning_rate!r}")
+    if opt.clip_norm is not None and not opt.clip_norm > 0:
+        raise PlanError("optimizer.clip_norm must be positive, or null to disable clipping")
+    return opt
+
+
+def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
+    """Parse and validate a plan; every error names the field and the fix."""
+    if not isinstance(raw, Mapping):
+        raise PlanError("a plan must be a JSON object")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise PlanError(
+            f"format_version is {version!r} but this h2jax reads format_version {FORMAT_VERSION}; "
+            f"set \"format_version\": {FORMAT_VERSION} (or re-plan with `h2jax plan`)"
+        )
+    known = {
+        "format_version", "model", "seq_len", "global_batch", "micro_batch", "schedule",
+        "seed", "optimizer", "stages", "predicted", "search",
+    }
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise PlanError(f"unknown top-level field(s) {unknown}; known fields: {sorted(known)}")
+    if "model" not in raw:
+        raise PlanError("model is missing; give a preset name such as \"tiny\" or a full config object")
+    model = get_config(raw["model"], where="model")
+    model_name = raw["model"] if isinstance(raw["model"], str) else None
+    seq_len = _int_field(raw, "seq_len", "plan")
+    global_batch = _int_field(raw, "global_batch", "plan")
+    micro_batch = _int_field(raw, "micro_batch", "plan")
+    schedule = raw.get("schedule", "1f1b")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule {schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise PlanError(f"seed must be an integer, got {seed!r}")
+    stages_raw = raw.get("stages")
+    if not isinstance(stages_raw, (list, tuple)) or not stages_raw:
+        raise PlanError("stages must be a non-empty list of stages in pipeline order")
+    stages = tuple(_parse_stage(s, i) for i, s in enumerate(stages_raw))
+    predicted = raw.get("predicted")
+    if predicted is not None and not isinstance(predicted, Mapping):
+        raise PlanError("predicted must be an object (written by `h2jax plan`)")
+    plan = Plan(
+        model=model,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        stages=stages,
+        schedule=schedule,
+        seed=seed,
+        optimizer=_parse_optimizer(raw.get("optimizer")),
+        predicted=predicted,
+        model_name=model_name,
+    )
+    validate(plan)
+    return plan
+
+
+def validate(plan: Plan) -> None:
+    """Cross-field checks: batch divisibility, layer coverage, tensor-parallel divisibility."""
+    if plan.global_batch % plan.micro_batch:
+        raise PlanError(
+            f"global_batch ({plan.global_batch}) is not divisible by micro_batch "
+            f"({plan.micro_batch}); choose a micro_batch among the divisors of {plan.global_batch}"
+        )
+    expected = 0
+    for i, stage in enumerate(plan.stages):
+        where = f"stages[{i}]"
+        start, end = stage.layers
+        if start < expected:
+            raise PlanError(
+                f"{where}.layers {list(stage.layers)} overlaps the previous stage, which ends at "
+                f"layer {expected}; start this stage at {expected}"
+            )
+        if start > expected:
+            raise PlanError(
+                f"{where}.layers {list(stage.layers)} leaves layers [{expected}, {start}) uncovered; "
+                f"start this stage at {expected}"
+            )
+        expected = end
+        if plan.micro_batch % stage.mesh.data:
+            raise PlanError(
+                f"micro_batch ({plan.micro_batch}) is not divisible by {where}.mesh.data "
+                f"({stage.mesh.data}); make micro_batch a multiple of every stage's data size"
+            )
+        plan.model.check_tensor_parallel(stage.mesh.tensor, where)
+        load_chip(stage.chip)  # unknown chip types list the known ones
+    if expected != plan.model.n_layers:
+        raise PlanError(
+            f"stages cover layers [0, {expected}) but the model has {plan.model.n_layers} layers; "
+            f"the last stage must end at layer {plan.model.n_layers}"
+        )
+    used: dict[int, int] = {}
+    for i, stage in enumerate(plan.stages):
+        for d in stage.devices or ():
+            if d in used:
+                raise PlanError(
+                    f"stages[{i}].devices uses device {d}, already used by stages[{used[d]}]; "
+                    "stages must run on disjoint devices"
+                )
+            used[d] = i
+
+
+def check_devices(plan: Plan, available: int, backend: str = "cpu") -> None:
+    """Refuse a plan that asks for more devices than the process can see."""
+    if plan.n_devices > available:
+        raise PlanError(
+            f"the plan's stages need {plan.n_devices} devices (sum of data*tensor) but only "
+            f"{available} {backend} device(s) exist; shrink the meshes, or on CPU raise "
+            "the forced host device count"
+        )
+    for i, stage in enumerate(plan.stages):
+        for d in stage.devices or ():
+            if d >= available:
+                raise PlanError(
+                    f"stages[{i}].devices names device {d} but only devices 0..{available - 1} exist"
+                )
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"plan file {path} does not exist")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PlanError(f"plan file {path} is not valid JSON: {e}") from None
+    try:
+        return plan_from_dict(raw)
+    except TypeError as e:  # e.g. a wrong keyword inside a nested object
+        raise PlanError(f"plan file {path}: {e}") from None
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write atomically: a reader never sees a half-written plan."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    tmp.replace(path)
