@@ -1,0 +1,5 @@
+import sys
+
+from h2jax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,38 @@
+"""`h2jax` command line. Each subcommand is a module in this package with
+`add_parser(subparsers)` and `main(args) -> int`; add new ones to COMMANDS."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from h2jax.config import ConfigError
+
+# Module names under h2jax.cli, in the order `h2jax --help` lists them.
+COMMANDS = ["run", "demo"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="h2jax",
+        description="Train one model across mixed accelerators: plan, simulate, run.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"h2jax.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        # Bad input: one clear line naming the field and the fix, never a traceback.
+        print(f"h2jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
