@@ -1,0 +1,184 @@
+"""A LLaMA-style decoder-only transformer in Flax NNX, and stage slices of it.
+
+Only math lives here. Every parameter carries logical axis names (`logical_axes`
+metadata); `h2jax.sharding` maps them onto a stage's ("data", "tensor") mesh.
+Tensor names carry their shapes: B batch, S sequence, D d_model, H query heads,
+K kv heads, G query heads per kv head, E head_dim, F d_ff, V vocab.
+
+Layer `i` is initialized from `fold_in(seed, i)`, the embedding from
+`fold_in(seed, n_layers)` and the final norm and head from `fold_in(seed, n_layers + 1)`,
+so a stage that builds layers [start, end) gets bit-identical parameters to the whole model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from h2jax.config import ModelConfig
+
+
+def layer_name(i: int) -> str:
+    """Parameter-tree key of global layer i; stage trees merge into the whole model's tree."""
+    return f"layer_{i:03d}"
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float, param_dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((d,), param_dtype), logical_axes=("embed",))
+        self.eps = eps
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        x32 = x_BSD.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv_rms * self.scale[...].astype(jnp.float32)).astype(x_BSD.dtype)
+
+
+def rotary(x_BSNE: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding over the last axis (pairs of halves)."""
+    S, E = x_BSNE.shape[1], x_BSNE.shape[-1]
+    freq_E2 = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E)
+    angle_SE2 = jnp.arange(S, dtype=jnp.float32)[:, None] * freq_E2[None, :]
+    sin, cos = jnp.sin(angle_SE2)[None, :, None, :], jnp.cos(angle_SE2)[None, :, None, :]
+    x1, x2 = jnp.split(x_BSNE.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BSNE.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention; heads split over `tensor` (Megatron column/row)."""
+
+    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None):
+        D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        std = cfg.init_std
+        self.wq_DHE = nnx.Param(_normal(kq, (D, H, E), std, dtype), logical_axes=("embed", "heads", "head_dim"))
+        self.wk_DKE = nnx.Param(_normal(kk, (D, K, E), std, dtype), logical_axes=("embed", "kv_heads", "head_dim"))
+        self.wv_DKE = nnx.Param(_normal(kv, (D, K, E), std, dtype), logical_axes=("embed", "kv_heads", "head_dim"))
+        self.wo_HED = nnx.Param(_normal(ko, (H, E, D), std, dtype), logical_axes=("heads", "head_dim", "embed"))
+        self.n_kv_heads, self.theta, self.precision = K, cfg.rope_theta, precision
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        B, S, _ = x_BSD.shape
+        p = self.precision
+        q_BSHE = rotary(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), self.theta)
+        k_BSKE = rotary(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), self.theta)
+        v_BSKE = jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...], precision=p)
+        K = self.n_kv_heads
+        E = q_BSHE.shape[-1]
+        q_BSKGE = q_BSHE.reshape(B, S, K, -1, E)
+        logits_BKGST = jnp.einsum("bskge,btke->bkgst", q_BSKGE, k_BSKE, precision=p) / jnp.sqrt(
+            jnp.float32(E)
+        ).astype(x_BSD.dtype)
+        causal_ST = jnp.tril(jnp.ones((S, S), dtype=bool))
+        logits_BKGST = jnp.where(causal_ST, logits_BKGST.astype(jnp.float32), -jnp.inf)
+        probs_BKGST = jax.nn.softmax(logits_BKGST, axis=-1).astype(x_BSD.dtype)
+        out_BSKGE = jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BSKE, precision=p)
+        out_BSHE = out_BSKGE.reshape(B, S, -1, E)
+        return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...], precision=p)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None):
+        D, F = cfg.d_model, cfg.d_ff
+        kg, ku, kd = jax.random.split(key, 3)
+        std = cfg.init_std
+        self.w_gate_DF = nnx.Param(_normal(kg, (D, F), std, dtype), logical_axes=("embed", "mlp"))
+        self.w_up_DF = nnx.Param(_normal(ku, (D, F), std, dtype), logical_axes=("embed", "mlp"))
+        self.w_down_FD = nnx.Param(_normal(kd, (F, D), std, dtype), logical_axes=("mlp", "embed"))
+        self.precision = precision
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        p = self.precision
+        gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, self.w_gate_DF[...], precision=p)
+        up_BSF = jnp.einsum("bsd,df->bsf", x_BSD, self.w_up_DF[...], precision=p)
+        return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, self.w_down_FD[...], precision=p)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None):
+        ka, km = jax.random.split(key)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.attn = Attention(cfg, ka, dtype, precision)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.mlp = SwiGLU(cfg, km, dtype, precision)
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        return x_BSD + self.mlp(self.mlp_norm(x_BSD))
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32):
+        self.table_VD = nnx.Param(
+            _normal(key, (cfg.vocab_size, cfg.d_model), 1.0, dtype), logical_axes=("vocab", "embed")
+        )
+
+    def __call__(self, tokens_BS: jax.Array) -> jax.Array:
+        return jnp.take(self.table_VD[...], tokens_BS, axis=0)
+
+
+class Head(nnx.Module):
+    """Final RMSNorm and the untied output projection."""
+
+    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None):
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+        self.w_DV = nnx.Param(
+            _normal(key, (cfg.d_model, cfg.vocab_size), cfg.init_std, dtype), logical_axes=("embed", "vocab")
+        )
+        self.precision = precision
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        return jnp.einsum("bsd,dv->bsv", self.norm(x_BSD), self.w_DV[...], precision=self.precision)
+
+
+def cross_entropy(logits_BSV: jax.Array, labels_BS: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy, computed in f32."""
+    logp_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp_BSV, labels_BS[..., None], axis=-1))
+
+
+class StageModel(nnx.Module):
+    """Layers [start, end) of the model, plus the embedding on the first stage and the final
+    norm, head and loss on the last. The whole model is the stage [0, n_layers)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        start: int,
+        end: int,
+        seed: int,
+        *,
+        dtype=jnp.float32,
+        precision=None,
+        remat_policy=None,
+    ):
+        root = jax.random.key(seed)
+        # Selective recomputation: each block saves only what `remat_policy` allows.
+        self.remat_policy = remat_policy
+        self.is_first, self.is_last = start == 0, end == cfg.n_layers
+        self.layer_names = [layer_name(i) for i in range(start, end)]
+        if self.is_first:
+            self.embed = Embed(cfg, jax.random.fold_in(root, cfg.n_layers), dtype)
+        for i, name in zip(range(start, end), self.layer_names):
+            setattr(self, name, Block(cfg, jax.random.fold_in(root, i), dtype, precision))
+        if self.is_last:
+            self.head = Head(cfg, jax.random.fold_in(root, cfg.n_layers + 1), dtype, precision)
+
+    def __call__(self, x: jax.Array, labels_BS: jax.Array | None = None) -> jax.Array:
+        """First stage: x is tokens [B, S]; otherwise hidden [B, S, D]. Last stage returns the
+        mean loss given labels, otherwise the hidden state [B, S, D]."""
+        x_BSD = self.embed(x) if self.is_first else x
+        run_block = lambda block, x: block(x)
+        if self.remat_policy is not None:
+            run_block = nnx.remat(run_block, policy=self.remat_policy)
+        for name in self.layer_names:
+            x_BSD = run_block(getattr(self, name), x_BSD)
+        if not self.is_last:
+            return x_BSD
+        return cross_entropy(self.head(x_BSD), labels_BS)

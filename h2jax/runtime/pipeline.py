@@ -1,0 +1,126 @@
+"""The pipeline driver: runs each local stage's schedule actions through a transport.
+
+The schedule (h2jax.schedule) decides the order; this module only executes it. Stages this
+process runs are interleaved: a stage runs while its next action is ready and yields at a
+receive whose message has not arrived. JAX dispatch is asynchronous, so stages on disjoint
+devices compute concurrently. When no local stage can move, the driver blocks on the first
+pending receive (under MPI the peer will deliver it; locally it means a deadlock, reported).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from h2jax import schedule as sched
+from h2jax.plan import Plan
+from h2jax.runtime.stage import StageExecutor
+from h2jax.transport.base import ACT, GRAD, Tag, Transport
+
+
+class _StageRun:
+    """One stage's progress through its action list within one step."""
+
+    def __init__(self, ex: StageExecutor, actions: list[sched.Action]):
+        self.ex, self.actions, self.pos = ex, actions, 0
+        self.inbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> received array
+        self.outbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> array to send
+        self.saved: dict[int, object] = {}  # micro -> residuals for the backward
+        self.losses: dict[int, object] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.pos == len(self.actions)
+
+    def pending_tag(self) -> Tag | None:
+        """The receive this stage waits on, if its next action is a receive."""
+        if self.done:
+            return None
+        a = self.actions[self.pos]
+        i = self.ex.index
+        if a.kind == sched.RECV_ACT:
+            return Tag(ACT, i - 1, a.micro)
+        if a.kind == sched.RECV_GRAD:
+            return Tag(GRAD, i, a.micro)
+        return None
+
+
+class Pipeline:
+    def __init__(self, plan: Plan, transport: Transport, executors: dict[int, StageExecutor]):
+        self.plan, self.transport, self.executors = plan, transport, executors
+        self.schedule = sched.build(plan.schedule, plan.n_stages, plan.n_micro)
+        first = next(iter(executors.values()))
+        shape = (plan.micro_batch, plan.seq_len, plan.model.d_model)
+        transport.connect(shape, first.params_dtype, {i: ex.boundary_sharding for i, ex in executors.items()})
+
+    def step(self, tokens: np.ndarray) -> float:
+        """One optimizer step on a global batch `tokens` [global_batch, seq_len + 1];
+        returns the mean loss (known on every process)."""
+        plan = self.plan
+        mb = plan.micro_batch
+        inputs = [tokens[k * mb:(k + 1) * mb, :-1] for k in range(plan.n_micro)]
+        labels = [tokens[k * mb:(k + 1) * mb, 1:] for k in range(plan.n_micro)]
+        runs = [_StageRun(ex, self.schedule[i]) for i, ex in sorted(self.executors.items())]
+        self.transport.prepost([t for r in runs for t in self._expected_receives(r)])
+        while not all(r.done for r in runs):
+            progressed = False
+            for run in runs:
+                while not run.done:
+                    tag = run.pending_tag()
+                    if tag is not None and not self.transport.ready(tag):
+                        break
+                    self._execute(run, inputs, labels)
+                    progressed = True
+            if not progressed:
+                # Blocks until the peer delivers (MPI), or reports a deadlock (local).
+                self._execute(next(r for r in runs if not r.done), inputs, labels)
+        self.transport.flush()
+        return self._finish(runs)
+
+    def _expected_receives(self, run: _StageRun) -> list[Tag]:
+        tags = []
+        for pos in range(len(run.actions)):
+            run.pos = pos
+            tag = run.pending_tag()
+            if tag is not None:
+                tags.append(tag)
+        run.pos = 0
+        return tags
+
+    def _execute(self, run: _StageRun, inputs, labels) -> None:
+        a = run.actions[run.pos]
+        ex, k, i = run.ex, a.micro, run.ex.index
+        if a.kind == sched.F:
+            x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k))
+            y = ex.put_labels(labels[k]) if ex.is_last else None
+            out, run.saved[k] = ex.forward(x, y)
+            if ex.is_last:
+                run.losses[k] = out
+            else:
+                run.outbox[ACT, k] = out
+        elif a.kind == sched.B:
+            dy = np.float32(1.0 / self.plan.n_micro) if ex.is_last else run.inbox.pop((GRAD, k))
+            dx = ex.backward(run.saved.pop(k), dy)
+            if not ex.is_first:
+                run.outbox[GRAD, k] = dx
+        elif a.kind == sched.SEND_ACT:
+            self.transport.send(Tag(ACT, i, k), run.outbox.pop((ACT, k)))
+        elif a.kind == sched.SEND_GRAD:
+            self.transport.send(Tag(GRAD, i - 1, k), run.outbox.pop((GRAD, k)))
+        elif a.kind in (sched.RECV_ACT, sched.RECV_GRAD):
+            tag = run.pending_tag()
+            run.inbox[tag.kind, k] = self.transport.recv(tag)
+        run.pos += 1
+
+    def _finish(self, runs: list[_StageRun]) -> float:
+        sq = {r.ex.index: r.ex.grad_squared_norm() for r in runs if r.ex.is_stage_leader}
+        global_norm = float(np.sqrt(self.transport.sum_across_stages(sq)))
+        for r in runs:
+            r.ex.update(global_norm)
+        last = self.plan.n_stages - 1
+        local_losses = None
+        for r in runs:
+            if r.ex.is_last:
+                local_losses = [float(r.losses[k]) for k in range(self.plan.n_micro)]
+        losses = self.transport.share_from_stage(last, local_losses)
+        self.last_grad_norm = global_norm
+        return float(np.mean(losses))

@@ -1,0 +1,177 @@
+"""One pipeline stage on its own device mesh: its parameters, optimizer, and compiled steps.
+
+Each stage jits its forward, backward and optimizer update once, with explicit shardings on
+its mesh. The backward either consumes the residuals the forward saved (a `jax.vjp`
+closure is a pytree, so it can leave one jitted function and enter another) or, under
+`recompute = "full"`, recomputes the stage's forward from its saved input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from h2jax.model import StageModel
+from h2jax.plan import Plan
+from h2jax.runtime.optim import apply_clipped_update, make_optimizer, squared_norm
+from h2jax.sharding import (
+    BOUNDARY_AXES,
+    HIDDEN_AXES,
+    TOKENS_AXES,
+    make_mesh,
+    named,
+    param_shardings,
+)
+
+# Selective recomputation keeps matmul outputs and recomputes the cheap elementwise work
+# (norms, activations, softmax): most of the memory saving of full recompute for a fraction
+# of its compute (Korthikanti et al. 2022).
+SELECTIVE_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _dtype(name: str):
+    return DTYPES[name]
+
+
+class StageExecutor:
+    """Runs stage `index` of `plan` on `devices` (a list of jax devices, data-major)."""
+
+    def __init__(self, plan: Plan, index: int, devices: list, *, precision=None, param_dtype="float32"):
+        stage = plan.stages[index]
+        self.plan, self.index, self.stage = plan, index, stage
+        self.is_first, self.is_last = index == 0, index == plan.n_stages - 1
+        self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
+        cfg = plan.model
+        start, end = stage.layers
+        policy = SELECTIVE_POLICY if stage.recompute == "selective" else None
+
+        def build() -> StageModel:
+            return StageModel(
+                cfg, start, end, plan.seed,
+                dtype=_dtype(param_dtype), precision=precision, remat_policy=policy,
+            )
+
+        self.graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+        self.param_sharding = param_shardings(abstract_state, self.mesh)
+        # Shape first, then initialize straight into the sharded layout: no stage ever
+        # materializes a parameter on one device.
+        self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build())), out_shardings=self.param_sharding)()
+        self.tx = make_optimizer(plan.optimizer)
+        self.opt_state = jax.jit(self.tx.init)(self.params)
+        # Pin every step's outputs to these layouts: left to propagation, XLA may pick a
+        # different (equally valid) layout for a small tensor, and the next call's explicit
+        # in_shardings would then reject it.
+        self.opt_sharding = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self.grad_acc = self._zeros_f32()
+        self.params_dtype = _dtype(param_dtype)
+        # In a stage spanning several processes (one jax.distributed group per stage) only
+        # the group's first process speaks for the stage in cross-stage collectives.
+        self.is_stage_leader = jax.process_index() == 0
+
+        self.input_sharding = named(self.mesh, TOKENS_AXES if self.is_first else BOUNDARY_AXES)
+        self.labels_sharding = named(self.mesh, TOKENS_AXES)
+        self.boundary_sharding = named(self.mesh, BOUNDARY_AXES)
+        self._hidden_sharding = named(self.mesh, HIDDEN_AXES)
+        self._compile()
+
+    # ------------------------------------------------------------------ compiled steps
+
+    def _apply(self, params, x, labels):
+        model = nnx.merge(self.graphdef, params)
+        if not self.is_first:
+            # The boundary activation arrives split over `tensor`; gather it here, inside the
+            # compiled step, over this stage's fast links.
+            x = jax.lax.with_sharding_constraint(x, self._hidden_sharding)
+        out = model(x, labels)
+        if not self.is_last:
+            out = jax.lax.with_sharding_constraint(out, self.boundary_sharding)
+        return out
+
+    def _vjp(self, params, x, labels):
+        if self.is_first:  # integer tokens have no gradient
+            return jax.vjp(lambda p: self._apply(p, x, labels), params)
+        return jax.vjp(lambda p, h: self._apply(p, h, labels), params, x)
+
+    def _accumulate(self, acc, cotangents):
+        grads = cotangents[0]
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        if self.is_first:
+            return acc, None
+        return acc, jax.lax.with_sharding_constraint(cotangents[1], self.boundary_sharding)
+
+    def _compile(self) -> None:
+        labels_sh = self.labels_sharding if self.is_last else None
+        in_sh = (self.param_sharding, self.input_sharding, labels_sh)
+        grad_out_sh = (self.param_sharding, None if self.is_first else self.boundary_sharding)
+        if self.stage.recompute == "full":
+            self._forward = jax.jit(self._apply, in_shardings=in_sh)
+
+            def backward(acc, params, x, labels, dy):
+                _, vjp = self._vjp(params, x, labels)
+                return self._accumulate(acc, vjp(dy))
+
+            self._backward = jax.jit(backward, donate_argnums=(0,), out_shardings=grad_out_sh)
+        else:
+            self._forward = jax.jit(self._vjp, in_shardings=in_sh)
+            self._backward = jax.jit(
+                lambda acc, vjp, dy: self._accumulate(acc, vjp(dy)),
+                donate_argnums=(0,),
+                out_shardings=grad_out_sh,
+            )
+        self._sq_norm = jax.jit(squared_norm)
+        self._update = jax.jit(
+            lambda params, opt_state, acc, norm: apply_clipped_update(
+                self.tx, params, opt_state, acc, norm, self.plan.optimizer.clip_norm
+            ),
+            donate_argnums=(0, 1),
+            out_shardings=(self.param_sharding, self.opt_sharding),
+        )
+
+    # ------------------------------------------------------------------ the runtime's calls
+
+    def forward(self, x, labels=None) -> tuple[Any, Any]:
+        """(output, saved): output is the boundary activation, or the loss on the last stage;
+        `saved` is what backward needs (residuals, or the input under full recompute)."""
+        if self.stage.recompute == "full":
+            return self._forward(self.params, x, labels), (x, labels)
+        return self._forward(self.params, x, labels)
+
+    def backward(self, saved, dy):
+        """Accumulates this micro-batch's parameter gradients; returns the input gradient."""
+        if self.stage.recompute == "full":
+            x, labels = saved
+            self.grad_acc, dx = self._backward(self.grad_acc, self.params, x, labels, dy)
+        else:
+            self.grad_acc, dx = self._backward(self.grad_acc, saved, dy)
+        return dx
+
+    def grad_squared_norm(self) -> float:
+        return float(self._sq_norm(self.grad_acc))
+
+    def update(self, global_norm: float) -> None:
+        """One optimizer step with the gradients accumulated since the last one."""
+        self.params, self.opt_state = self._update(
+            self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
+        )
+        self.grad_acc = self._zeros_f32()
+
+    def _zeros_f32(self):
+        return jax.jit(
+            lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
+            out_shardings=self.param_sharding,
+        )(self.params)
+
+    def put_input(self, x: np.ndarray):
+        return jax.device_put(x, self.input_sharding)
+
+    def put_labels(self, y: np.ndarray):
+        return jax.device_put(y, self.labels_sharding)
+
+    def params_numpy(self) -> dict:
+        return jax.tree.map(np.asarray, self.params)
