@@ -1,0 +1,224 @@
+"""The simulator against closed forms, hand-timed schedules, and properties of pipelines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from h2jax import schedule as sched
+from h2jax.planner.stage_cost import StageCost
+from h2jax.sim import closed_form_uniform_1f1b, replay, simulate, zb_h1_orders
+
+
+def cost(f=1.0, b=2.0, w=None, send=0.0, lat=0.0, dp=0.0, opt=0.0, act=1, static=0):
+    return StageCost(
+        forward_s=f, backward_s=b, backward_weight_s=b / 2 if w is None else w, send_s=send,
+        send_bytes=0, dp_reduce_s=dp, optimizer_s=opt, activation_bytes=act,
+        static_bytes=static, link_latency_s=lat,
+    )
+
+
+times = st.floats(min_value=0.05, max_value=5.0, allow_nan=False, allow_infinity=False)
+comm = st.floats(min_value=0.0, max_value=1.0, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def stage_costs(draw, min_stages=1, max_stages=6, with_comm=True):
+    p = draw(st.integers(min_stages, max_stages))
+    out = []
+    for _ in range(p):
+        b = draw(times)
+        out.append(cost(
+            f=draw(times), b=b, w=b * draw(st.floats(0.0, 0.9)),
+            send=draw(comm) if with_comm else 0.0, lat=draw(comm) / 10 if with_comm else 0.0,
+            dp=draw(comm), opt=draw(comm) / 10,
+        ))
+    return out
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 7), (2, 1), (4, 4), (4, 32), (8, 3), (16, 64)])
+@pytest.mark.parametrize("f,b", [(1.0, 2.0), (0.37, 1.13), (3e-3, 7e-3)])
+def test_uniform_1f1b_matches_closed_form(p, m, f, b):
+    r = simulate([cost(f, b)] * p, m, "1f1b", global_clip=False)
+    expected = closed_form_uniform_1f1b(f, b, p, m)
+    assert r.iteration_s == pytest.approx(expected, rel=1e-9, abs=0)
+    assert r.pipeline_s == pytest.approx(expected, rel=1e-9, abs=0)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-9, abs=1e-15)
+    for busy in r.busy_s:
+        assert busy == pytest.approx(m * (f + b), rel=1e-12)
+
+
+def test_uniform_gpipe_matches_closed_form():
+    p, m, f, b = 5, 9, 0.7, 1.9
+    r = simulate([cost(f, b)] * p, m, "gpipe", global_clip=False)
+    assert r.iteration_s == pytest.approx((m + p - 1) * (f + b), rel=1e-9)
+
+
+def test_uniform_zb_h1_matches_paper_bubble():
+    # ZB-H1 paper: bubble (p - 1)(F + B - W) with B the input-gradient part alone.
+    p, m, f, b_in, w = 4, 8, 1.0, 1.0, 1.0
+    r = simulate([cost(f, b_in + w, w)] * p, m, "zb-h1", global_clip=False)
+    assert r.iteration_s == pytest.approx(m * (f + b_in + w) + (p - 1) * (f + b_in - w), rel=1e-12)
+    assert max(r.peak_in_flight) == p  # the same peak as 1F1B's first stage
+
+
+def test_two_stage_with_links_hand_timed():
+    # p=2, m=2, 1F1B. Stage 0: F0 F1 B0 B1; stage 1: F0 B0 F1 B1. Link 0->1 takes 0.5 + 0.1.
+    c = [cost(1.0, 2.0, send=0.5, lat=0.1, dp=0.3, opt=0.2), cost(1.0, 2.0, dp=0.4, opt=0.1)]
+    r = simulate(c, 2, "1f1b")
+    # F0@0-1 -> arrives 1.6; s1 F0 1.6-2.6, B0 2.6-4.6, grad back 4.6+0.6 = 5.2;
+    # s0 F1 1-2 -> link busy 1.5 (free) -> sends 2-2.5, arrives 2.6; s1 F1 4.6-5.6, B1 5.6-7.6;
+    # grad arrives 8.2. s0 B0 5.2-7.2, B1 8.2-10.2. dp: s0 10.5, s1 8.0; sync +0.1 (latency);
+    # optimizer max 0.2.
+    assert r.grads_done_s == pytest.approx((10.2, 7.6))
+    assert r.dp_done_s == pytest.approx((10.5, 8.0))
+    assert r.iteration_s == pytest.approx(10.5 + 0.1 + 0.2)
+    assert r.pipeline_s == pytest.approx(10.2)
+    assert r.busy_s == pytest.approx((6.0, 6.0))
+    no_clip = simulate(c, 2, "1f1b", global_clip=False)
+    assert no_clip.iteration_s == pytest.approx(max(10.5 + 0.2, 8.0 + 0.1))
+
+
+def test_link_is_shared_fifo():
+    # Fast forwards, slow link: transfers queue on the link, so stage 1 sees one arrival per
+    # send_s, not all at once.
+    c = [cost(0.1, 0.1, send=1.0), cost(0.1, 0.1)]
+    r = simulate(c, 4, "gpipe", record=True, global_clip=False)
+    starts = [e.start_s for e in r.events if e.stage == 1 and e.name.startswith("F")]
+    assert starts == pytest.approx([1.1, 2.1, 3.1, 4.1])
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (3, 2), (4, 4), (4, 9), (7, 3), (8, 20)])
+def test_1f1b_in_flight_is_min_p_minus_i_m(p, m):
+    r = simulate([cost(act=3, static=10)] * p, m, "1f1b")
+    assert list(r.peak_in_flight) == [min(p - i, m) for i in range(p)]
+    assert list(r.peak_activation_bytes) == [3 * min(p - i, m) for i in range(p)]
+    assert list(r.peak_memory_bytes) == [10 + 3 * min(p - i, m) for i in range(p)]
+
+
+@given(stage_costs(), st.integers(1, 12))
+@settings(max_examples=40, deadline=None)
+def test_1f1b_in_flight_heterogeneous(costs, m):
+    p = len(costs)
+    r = simulate(costs, m, "1f1b")
+    assert list(r.peak_in_flight) == [min(p - i, m) for i in range(p)]
+    assert list(simulate(costs, m, "gpipe").peak_in_flight) == [m] * p
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@given(stage_costs(), st.integers(1, 10), st.integers(1, 6), st.sampled_from(["1f1b", "gpipe"]))
+@settings(max_examples=60, deadline=None)
+def test_more_micro_batches_never_raise_bubble(costs, m, extra, name):
+    a = simulate(costs, m, name)
+    b = simulate(costs, m + extra, name)
+    assert b.bubble_fraction <= a.bubble_fraction + 1e-12
+
+
+@given(
+    stage_costs(),
+    st.integers(1, 10),
+    st.data(),
+    st.sampled_from(["1f1b", "gpipe"]),
+)
+@settings(max_examples=80, deadline=None)
+def test_faster_stage_never_slows_iteration(costs, m, data, name):
+    i = data.draw(st.integers(0, len(costs) - 1))
+    field = data.draw(st.sampled_from(["forward_s", "backward_s", "send_s", "dp_reduce_s"]))
+    factor = data.draw(st.floats(0.0, 1.0))
+    c = costs[i]
+    faster = list(costs)
+    new = getattr(c, field) * factor
+    kw = {field: new}
+    if field == "backward_s":
+        kw["backward_weight_s"] = min(c.backward_weight_s, new)
+    faster[i] = StageCost(**{**{f: getattr(c, f) for f in StageCost.__slots__}, **kw})
+    assert simulate(faster, m, name).iteration_s <= simulate(costs, m, name).iteration_s * (1 + 1e-12)
+
+
+@given(stage_costs(), st.integers(1, 12))
+@settings(max_examples=80, deadline=None)
+def test_zb_h1_never_slower_than_1f1b(costs, m):
+    one = simulate(costs, m, "1f1b")
+    zb = simulate(costs, m, "zb-h1")
+    assert zb.iteration_s <= one.iteration_s * (1 + 1e-9)
+    assert all(n <= min(len(costs), m) for n in zb.peak_in_flight)
+
+
+@given(stage_costs(), st.integers(1, 10))
+@settings(max_examples=40, deadline=None)
+def test_zb_h1_orders_are_valid_and_replay_exactly(costs, m):
+    p = len(costs)
+    orders = zb_h1_orders(costs, m)
+    lists = sched.build_sim("zb-h1", p, m, orders)  # validates each order
+    sched.execution_order(lists)  # no deadlock
+    a = replay(lists, costs, m)
+    b = simulate(costs, m, "zb-h1")
+    assert a.iteration_s == b.iteration_s
+
+
+def test_zb_h1_respects_memory_cap():
+    p, m = 6, 24
+    costs = [cost(1.0, 2.0, 1.0)] * p
+    capped = simulate(costs, m, "zb-h1", zb_max_in_flight=[min(p - i, m) for i in range(p)])
+    assert list(capped.peak_in_flight) == [min(p - i, m) for i in range(p)]
+    free = simulate(costs, m, "zb-h1")
+    assert free.iteration_s < capped.iteration_s <= simulate(costs, m, "1f1b").iteration_s
+
+
+def test_zb_h1_recovers_bubble_on_heterogeneous_stages():
+    # A slow middle stage: 1F1B idles the others; ZB-H1 fills part of it with W's.
+    costs = [cost(1.0, 2.0, 1.0), cost(2.0, 4.0, 2.0, send=0.2), cost(1.0, 2.0, 1.0, send=0.2)]
+    one = simulate(costs, 8, "1f1b")
+    zb = simulate(costs, 8, "zb-h1")
+    assert zb.bubble_fraction < one.bubble_fraction
+    assert zb.iteration_s < one.iteration_s
+
+
+# ----------------------------------------------------------------------------- jitter, errors
+
+
+def test_jitter_is_seeded_and_centred():
+    costs = [cost(1.0, 2.0)] * 4
+    a = simulate(costs, 64, "1f1b", jitter=0.1, seed=3)
+    b = simulate(costs, 64, "1f1b", jitter=0.1, seed=3)
+    c = simulate(costs, 64, "1f1b", jitter=0.1, seed=4)
+    exact = simulate(costs, 64, "1f1b")
+    assert a.iteration_s == b.iteration_s != c.iteration_s
+    # Mean-1 noise: busy time stays within a few percent; waiting on the slowest makes the
+    # step slower, never faster than the busiest stage.
+    assert sum(a.busy_s) == pytest.approx(sum(exact.busy_s), rel=0.05)
+    assert a.iteration_s >= max(a.busy_s)
+
+
+def test_deadlocking_lists_are_reported():
+    lists = [[sched.Action(sched.RECV_GRAD, 0), sched.Action(sched.F, 0)],
+             [sched.Action(sched.RECV_ACT, 0), sched.Action(sched.F, 0)]]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        replay(lists, [cost(), cost()], 1)
+
+
+def test_unknown_schedule_is_named():
+    with pytest.raises(ValueError, match="zb-h1"):
+        simulate([cost()], 2, "interleaved")
+
+
+def test_schedule_lists_unchanged_for_runtime():
+    # The runtime's lists: zb-h1 lives outside COMPUTE_ORDERS.
+    assert set(sched.COMPUTE_ORDERS) == {"gpipe", "1f1b"}
+    acts = sched.stage_actions("1f1b", 1, 3, 2)
+    assert [repr(a) for a in acts] == [
+        "RECV_ACT0", "F0", "SEND_ACT0", "RECV_ACT1", "F1", "SEND_ACT1",
+        "RECV_GRAD0", "B0", "SEND_GRAD0", "RECV_GRAD1", "B1", "SEND_GRAD1",
+    ]
+    assert math.isclose(simulate([cost()] * 3, 2).iteration_s, 4 * 3.0)
