@@ -13,7 +13,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from h2jax.model import StageModel
 from h2jax.plan import Plan
@@ -63,11 +65,17 @@ class StageExecutor:
         # materializes a parameter on one device.
         self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build())), out_shardings=self.param_sharding)()
         self.tx = make_optimizer(plan.optimizer)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
-        # Pin every step's outputs to these layouts: left to propagation, XLA may pick a
-        # different (equally valid) layout for a small tensor, and the next call's explicit
-        # in_shardings would then reject it.
-        self.opt_sharding = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        # Optimizer moments take their parameter's layout; scalars (step counts) are
+        # replicated on the stage mesh. Every step's outputs are pinned to these layouts.
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.opt_sharding = optax.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            jax.eval_shape(self.tx.init, self.params),
+            self.param_sharding,
+            transform_non_params=lambda _: replicated,
+        )
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
         self.grad_acc = self._zeros_f32()
         self.params_dtype = _dtype(param_dtype)
         # In a stage spanning several processes (one jax.distributed group per stage) only
