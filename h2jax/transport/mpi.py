@@ -1,0 +1,712 @@
+"""The MPI transport: each stage in its own process(es), boundary arrays moved by mpi4py.
+
+Launch: `mpiexec -n K h2jax run --plan FILE` where K = sum of `stages[i].processes`.
+
+- Zero-copy sends. Every addressable shard of a boundary array goes to MPI as a buffer without
+  a copy: for host memory through a DLPack view (`np.from_dlpack`); for accelerator memory the
+  device buffer itself when the MPI library reports support for that memory kind (CUDA-aware),
+  else through a host copy. The path is `auto`, `direct` or `staged`, and `describe()` reports
+  the one taken and why.
+- Zero-copy receives. Messages land in 64-byte-aligned numpy buffers allocated when the receive
+  is posted; JAX adopts them as device buffers without another copy where the backend allows
+  (`jax.dlpack.from_dlpack(copy=False)`, or an aliasing `device_put` on CPU devices other than
+  the first). `stats` counts adopted and copied buffers.
+- Non-blocking. `send` queues the array and returns; the `Isend`s start as soon as its value is
+  computed (checked on every transport call, never waiting on it), so the next compute overlaps
+  the transfer. Receives are posted ahead with `prepost`. Messages are tagged with (micro-batch,
+  direction, boundary); the pieces of one message between two ranks match in posting order.
+- Topology-aware resharding (`reshard.reshard_plan`): each receiving device gets only its own
+  block, pieces cut with MPI subarray datatypes straight out of the sender's shard and into the
+  receiver's buffer.
+- Failure: `install_abort_on_error` makes an uncaught exception in any process print once and
+  `Abort` the whole job, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from h2jax.config import ConfigError
+from h2jax.transport import reshard
+from h2jax.transport.base import ACT, GRAD, Tag, Transport
+from h2jax.transport.multihost import ProcessRole, first_ranks, role_for_rank
+
+PATHS = ("auto", "direct", "staged")
+ALIGN = 64  # jax.dlpack.from_dlpack(copy=False) adopts only 64-byte aligned host buffers
+_ENV_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS_WORLD")
+_ENV_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+# ----------------------------------------------------------------------------- process set-up
+
+
+def mpi_world_size() -> int:
+    """How many processes `mpiexec` started, read from the launcher's environment without
+    starting MPI (1 when not launched by mpiexec)."""
+    for key in _ENV_SIZE:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 1
+
+
+def mpi_rank() -> int:
+    """This process's rank, from the launcher's environment (0 when not under mpiexec)."""
+    for key in _ENV_RANK:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def _comm_world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def init_mpi(timeout_s: float | None = None):
+    """Start MPI (importing mpi4py.MPI does) and return COMM_WORLD. MPI_Init waits for every
+    rank of the job; if one never gets there, exit non-zero instead of hanging. The watchdog
+    is faulthandler's C thread: MPI_Init holds the GIL, so no Python timer could fire."""
+    if "mpi4py.MPI" in sys.modules:
+        return _comm_world()
+    import faulthandler
+
+    timeout_s = default_startup_timeout() if timeout_s is None else timeout_s
+    faulthandler.dump_traceback_later(timeout_s, exit=True)  # prints where it hung, _exit(1)
+    try:
+        return _mpi_init_waits_for_every_rank_of_the_job()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _mpi_init_waits_for_every_rank_of_the_job():
+    # Named for the traceback the watchdog prints when a rank never starts.
+    return _comm_world()
+
+
+def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) -> ProcessRole:
+    """Everything a process of an MPI run does before JAX starts: check the process count
+    against the plan, make any exception abort the job, configure JAX for this process's
+    stage (platform, device count, the stage's jax.distributed group) and meet the other
+    ranks at a start-up barrier. Returns this process's role."""
+    from h2jax.cluster import load_chip
+    from h2jax.transport import multihost
+
+    comm = init_mpi(startup_timeout_s)
+    role = role_for_rank(multihost.plan_processes(plan), comm.rank, comm.size)
+    install_abort_on_error(comm, label=f"rank {role.rank} (stage {role.stage})")
+    startup_barrier(comm, startup_timeout_s, describe=lambda r: _describe_rank(role, r))
+    stage = plan.stages[role.stage]
+    group = comm.Split(color=role.stage, key=role.rank)
+    multihost.configure_jax(
+        load_chip(stage.chip).platform,
+        stage.mesh.size // stage.processes,
+        group=group,
+        stage_size=role.stage_size,
+        stage_rank=role.stage_rank,
+        local_device_ids=multihost.stage_local_device_ids(plan, role),
+    )
+    group.Free()
+    global _role
+    _role = role
+    return role
+
+
+def _describe_rank(role: ProcessRole, rank: int) -> str:
+    stage = max(i for i, start in enumerate(role.first_rank) if start <= rank)
+    return f"rank {rank} (stage {stage})"
+
+
+def default_startup_timeout() -> float:
+    return float(os.environ.get("H2JAX_MPI_STARTUP_TIMEOUT", "120"))
+
+
+class MPIStartupError(RuntimeError):
+    """A rank of the job did not arrive; the message names it."""
+
+
+def startup_barrier(comm, timeout_s: float | None = None, describe=lambda r: f"rank {r}") -> None:
+    """A barrier that gives up after `timeout_s` with an error naming the ranks that never
+    arrived (rank 0 names them; the others wait a little longer so its message comes first).
+    Point-to-point only, on tags at the top of the tag space: a collective (even creating a
+    communicator) would itself hang on the missing rank."""
+    from mpi4py import MPI
+
+    timeout_s = default_startup_timeout() if timeout_s is None else timeout_s
+    hello = int(comm.Get_attr(MPI.TAG_UB))
+    go = hello - 1
+    if comm.rank == 0:
+        pending = {r: comm.irecv(source=r, tag=hello) for r in range(1, comm.size)}
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            pending = {r: q for r, q in pending.items() if not q.Test()}
+            time.sleep(0.001)
+        if pending:
+            missing = ", ".join(describe(r) for r in sorted(pending))
+            raise MPIStartupError(
+                f"start-up barrier: {missing} did not arrive within {timeout_s:g} s; it may have "
+                "failed, or be stuck initializing its backend "
+                "(raise H2JAX_MPI_STARTUP_TIMEOUT if it is merely slow)"
+            )
+        for r in range(1, comm.size):
+            comm.send(True, dest=r, tag=go)
+    else:
+        comm.send(comm.rank, dest=0, tag=hello)
+        release = comm.irecv(source=0, tag=go)
+        deadline = time.monotonic() + timeout_s + 3.0
+        while not release.Test():
+            if time.monotonic() > deadline:
+                raise MPIStartupError(f"start-up barrier: {describe(0)} never released the barrier")
+            time.sleep(0.001)
+
+
+_hook_installed = False
+
+
+def install_abort_on_error(comm=None, label: str | None = None) -> None:
+    """Make an uncaught exception (in any thread) print once, labelled with this rank, and
+    abort the whole MPI job, so the other ranks do not wait forever on a dead peer."""
+    global _hook_installed
+    if _hook_installed:
+        return
+    comm = comm or _comm_world()
+    label = label or f"rank {comm.rank}"
+
+    def abort(exc_type, exc, tb, code=1):
+        if isinstance(exc, (ConfigError, MPIStartupError)):  # one line, as the CLI prints it
+            text = f"h2jax [{label}]: error: {exc}\n"
+        else:
+            text = f"h2jax [{label}] failed; aborting the MPI job:\n" + "".join(
+                traceback.format_exception(exc_type, exc, tb)
+            )
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            comm.Abort(code)
+
+    sys.excepthook = abort
+    threading.excepthook = lambda a: abort(a.exc_type, a.exc_value, a.exc_traceback)
+    _hook_installed = True
+
+
+@contextmanager
+def abort_on_failure(comm=None, label: str | None = None):
+    """`with abort_on_failure(): ...` aborts the job on an exception raised inside, and on a
+    non-zero `SystemExit` (a rank that returns an error code would otherwise leave the others
+    blocked in MPI)."""
+    comm = comm or _comm_world()
+    label = label or f"rank {comm.rank}"
+    try:
+        yield
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            sys.stderr.flush()
+            comm.Abort(e.code if isinstance(e.code, int) else 1)
+        raise
+    except BaseException as e:  # noqa: BLE001 - every failure must take the job down
+        install_abort_on_error(comm, label)
+        sys.excepthook(type(e), e, e.__traceback__)
+        raise
+
+
+# ----------------------------------------------------------------------------- path selection
+
+
+def mpi_memory_kinds(comm=None) -> set[str]:
+    """Memory kinds the MPI library accepts in messages (MPI 4.1 `mpi_memory_alloc_kinds`,
+    e.g. {'mpi', 'system', 'cuda'}); $H2JAX_MPI_MEMORY_KINDS adds kinds by hand."""
+    kinds: set[str] = set()
+    comm = comm or _comm_world()
+    try:
+        info = comm.Get_info()
+        value = info.Get("mpi_memory_alloc_kinds") or ""
+        info.Free()
+    except Exception:  # noqa: BLE001 - MPI older than 4.1: no report
+        value = ""
+    value += "," + os.environ.get("H2JAX_MPI_MEMORY_KINDS", "")
+    for item in value.split(","):
+        if item.strip():
+            kinds.add(item.strip().split(":")[0].lower())
+    return kinds
+
+
+_GPU_KIND = {"cuda": "cuda", "gpu": "cuda", "rocm": "rocm"}
+
+
+def choose_path(requested: str, platform: str, kinds: set[str]) -> tuple[str, str]:
+    """(`direct` or `staged`, the reason), for arrays on `platform`."""
+    if requested not in PATHS:
+        raise ConfigError(f"transport path {requested!r} is unknown; use one of {', '.join(PATHS)}")
+    if platform == "cpu":
+        if requested == "staged":
+            return "staged", "requested: host arrays copied into separate buffers on both ends"
+        return "direct", "arrays live in host memory: DLPack views go to MPI without a copy"
+    kind = _GPU_KIND.get(platform)
+    aware = kind is not None and kind in kinds
+    if requested == "direct" and not aware:
+        raise ConfigError(
+            f"transport path 'direct' needs an MPI library that accepts {platform} device memory, "
+            f"but MPI reports memory kinds {sorted(kinds) or 'none'}; use a {platform}-aware MPI "
+            "build, set H2JAX_MPI_MEMORY_KINDS if it is aware but does not say so, or use 'auto'"
+        )
+    if requested == "staged" or not aware:
+        why = "requested" if requested == "staged" else f"MPI reports no {platform} support ({sorted(kinds)})"
+        return "staged", f"{why}: device buffers copied through host memory"
+    return "direct", f"MPI accepts {platform} memory: device buffers go to MPI directly"
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def aligned_empty(shape: Sequence[int], dtype, align: int = ALIGN) -> np.ndarray:
+    """An uninitialized array whose data starts on an `align`-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _is_contiguous(index: reshard.Index, shape: Sequence[int]) -> bool:
+    """Whether `index` selects one contiguous run of a C-ordered array of `shape`."""
+    dims = [s.stop - s.start for s in index]
+    k = next((d for d, n in enumerate(dims) if n != 1), len(dims))  # first non-unit dimension
+    return all(dims[d] == shape[d] for d in range(k + 1, len(dims)))
+
+
+def _flat_offset(index: reshard.Index, shape: Sequence[int]) -> int:
+    return int(np.ravel_multi_index([s.start for s in index], shape)) if shape else 0
+
+
+class _Region:
+    """A piece of a buffer (host array, or device array on the direct path) as an MPI message,
+    counted in bytes so any dtype (bfloat16 included) goes as is: a (count, displacement) run
+    when the piece is contiguous, else an MPI subarray datatype. Never a packing copy in Python."""
+
+    def __init__(self, index: reshard.Index, shape: Sequence[int], dtype):
+        from mpi4py import MPI
+
+        itemsize = np.dtype(dtype).itemsize
+        self.count = reshard._count(index)
+        self.nbytes = self.count * itemsize
+        self.whole = self.count == int(np.prod(shape, dtype=np.int64))
+        self.contiguous = _is_contiguous(index, shape)
+        self.offset = _flat_offset(index, shape) * itemsize
+        self.datatype = None
+        if not self.contiguous:
+            self.datatype = MPI.BYTE.Create_subarray(
+                [*shape, itemsize], [s.stop - s.start for s in index] + [itemsize], [s.start for s in index] + [0]
+            ).Commit()
+
+    def message(self, buf):
+        from mpi4py import MPI
+
+        if self.whole:
+            return [buf, self.nbytes, MPI.BYTE]
+        if self.contiguous:
+            return [buf, (self.nbytes, self.offset), MPI.BYTE]
+        return [buf, 1, self.datatype]
+
+    def free(self) -> None:
+        if self.datatype is not None:
+            self.datatype.Free()
+            self.datatype = None
+
+
+# ----------------------------------------------------------------------------- the transport
+
+
+class _Route:
+    """How one (kind, boundary) message moves: the transfers this rank sends and receives."""
+
+    def __init__(self, transfers, src, dst, src_ranks, dst_ranks, shape, dtype, me, broadcast):
+        self.shape, self.dtype = shape, dtype
+        self.src, self.dst = src, dst
+        self.sends = []  # (src_pos, peer rank, _Region over the src block)
+        self.recvs = []  # (dst_pos, peer rank, _Region over the receive buffer)
+        self.recv_shapes: dict[int, tuple[reshard.Index, reshard.Index]] = {}  # pos: (buffer, block)
+        for t in transfers:
+            if src_ranks[t.src_pos] == me:
+                block = src.block(t.src_pos, shape)
+                self.sends.append(
+                    (t.src_pos, dst_ranks[t.dst_pos], _Region(reshard.relative(t.index, block), reshard.shape_of(block), dtype))
+                )
+            if dst_ranks[t.dst_pos] == me:
+                block = dst.block(t.dst_pos, shape)
+                buffer = reshard._wanted(dst, t.dst_pos, shape, broadcast)
+                self.recv_shapes[t.dst_pos] = (buffer, block)
+                self.recvs.append(
+                    (t.dst_pos, src_ranks[t.src_pos], _Region(reshard.relative(t.index, buffer), reshard.shape_of(buffer), dtype))
+                )
+        self.nbytes_sent = sum(r.count for _, _, r in self.sends) * np.dtype(dtype).itemsize
+        self.nbytes_received = sum(r.count for _, _, r in self.recvs) * np.dtype(dtype).itemsize
+
+    def free(self) -> None:
+        for _, _, region in self.sends + self.recvs:
+            region.free()
+
+
+class MPITransport(Transport):
+    """Moves boundary arrays between stages that live in different MPI processes.
+
+    `processes[i]` is how many ranks stage i has (a plan's `stages[i].processes`); give either
+    a plan or `processes`. `path` picks zero-copy (`direct`), host staging (`staged`) or the
+    best the backend and MPI allow (`auto`). `reshard="broadcast"` swaps in the naive plan,
+    for benchmarks only. Construction is collective (all ranks), as is `connect`.
+    """
+
+    def __init__(self, plan=None, *, processes: Sequence[int] | None = None, path: str = "auto",
+                 comm=None, reshard_mode: str = "topology", startup_timeout_s: float | None = None,
+                 barrier: bool = True):
+        if (plan is None) == (processes is None):
+            raise ValueError("give MPITransport either a plan or processes=[...]")
+        if path not in PATHS:
+            raise ConfigError(f"transport path {path!r} is unknown; use one of {', '.join(PATHS)}")
+        if reshard_mode not in ("topology", "broadcast"):
+            raise ValueError(f"reshard_mode must be 'topology' or 'broadcast', got {reshard_mode!r}")
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        world = comm or MPI.COMM_WORLD
+        processes = [s.processes for s in plan.stages] if plan is not None else list(processes)
+        self.role = role_for_rank(processes, world.rank, world.size)
+        self.n_stages = len(processes)
+        if barrier:
+            startup_barrier(world, startup_timeout_s, describe=lambda r: _describe_rank(self.role, r))
+        self.comm = world.Dup()  # our own context: no clash with anyone else's messages
+        self.requested_path, self.path, self.path_reason = path, None, None
+        self.reshard_mode = reshard_mode
+        self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB))
+        self._routes: dict[tuple[str, int], _Route] = {}
+        self._shardings: dict[int, object] = {}
+        self._pending_sends: list[tuple[Tag, object]] = []  # queued until the value is computed
+        self._inflight: list[tuple[object, object, list]] = []  # (request, value, buffers)
+        self._posted: dict[Tag, tuple[list, dict[int, np.ndarray]]] = {}
+        self.stats = {"sends": 0, "recvs": 0, "bytes_sent": 0, "bytes_received": 0,
+                      "send_buffers_zero_copy": 0, "send_buffers_copied": 0,
+                      "recv_buffers_adopted": 0, "recv_buffers_copied": 0}
+
+    # -- set-up
+
+    @property
+    def stage(self) -> int:
+        return self.role.stage
+
+    def connect(self, boundary_shape, dtype, layouts: Mapping[int, object]) -> None:
+        import jax
+
+        shape = tuple(int(n) for n in boundary_shape)
+        dtype = np.dtype(dtype)
+        if self.stage not in layouts:
+            raise ValueError(f"connect() on rank {self.role.rank} needs the layout of its stage {self.stage}")
+        sharding = layouts[self.stage]
+        first = self.role.first_rank[self.stage]
+        mine = reshard.Layout.from_sharding(sharding, owner=lambda d: first + d.process_index)
+        platform = next(iter(sharding.mesh.devices.flat)).platform
+        gathered = self.comm.allgather((self.stage, shape, dtype.str, mine, platform))
+        layouts_by_stage: dict[int, reshard.Layout] = {}
+        for stage, their_shape, their_dtype, layout, _ in gathered:
+            if (their_shape, their_dtype) != (shape, dtype.str):
+                raise ValueError(
+                    f"stage {stage} connects boundary arrays of shape {their_shape} {their_dtype} but "
+                    f"stage {self.stage} uses {shape} {dtype.str}; every stage must use the plan's "
+                    "[micro_batch, seq_len, d_model] and activation dtype"
+                )
+            layouts_by_stage[stage] = layout
+        missing = [i for i in range(self.n_stages) if i not in layouts_by_stage]
+        if missing:
+            raise ValueError(f"no process connected stage(s) {missing}")
+        self.path, self.path_reason = choose_path(self.requested_path, platform, mpi_memory_kinds(self.comm))
+        self._shardings = {self.stage: sharding}
+        self._devices = list(sharding.mesh.devices.reshape(-1))
+        self._me_process = jax.process_index()
+        self.shape, self.dtype = shape, dtype
+        self._free_routes()
+        plan_fn = reshard.broadcast_plan if self.reshard_mode == "broadcast" else reshard.reshard_plan
+        for b in range(self.n_stages - 1):
+            for kind, (s, d) in ((ACT, (b, b + 1)), (GRAD, (b + 1, b))):
+                if self.stage not in (s, d):
+                    continue
+                src, dst = layouts_by_stage[s], layouts_by_stage[d]
+                transfers = plan_fn(src, dst, shape, dtype.itemsize)
+                self._routes[(kind, b)] = _Route(
+                    transfers, src, dst, src.owners, dst.owners, shape, dtype, self.role.rank,
+                    self.reshard_mode == "broadcast",
+                )
+
+    def describe(self) -> dict:
+        """The path taken and why, for logs and benchmark reports."""
+        return {"transport": "mpi", "path": self.path, "requested": self.requested_path,
+                "why": self.path_reason, "reshard": self.reshard_mode, "rank": self.role.rank,
+                "stage": self.stage, **self.stats}
+
+    def _tag(self, tag: Tag) -> int:
+        n_b = max(self.n_stages - 1, 1)
+        code = (tag.micro * 2 + (tag.kind == GRAD)) * n_b + tag.boundary
+        if code > self.tag_ub:
+            raise ValueError(
+                f"micro-batch {tag.micro} does not fit the MPI tag space (TAG_UB={self.tag_ub}); "
+                "use fewer micro-batches per step"
+            )
+        return code
+
+    def _route(self, tag: Tag) -> _Route:
+        try:
+            return self._routes[(tag.kind, tag.boundary)]
+        except KeyError:
+            raise ValueError(
+                f"rank {self.role.rank} (stage {self.stage}) takes no part in {tag}; call connect() "
+                "first, and move only messages of the process's own stage"
+            ) from None
+
+    # -- sends
+
+    def send(self, tag: Tag, value) -> None:
+        if tag.src_stage != self.stage:
+            raise ValueError(f"{tag} is sent by stage {tag.src_stage}, not by this process's stage {self.stage}")
+        self._route(tag)
+        self._pending_sends.append((tag, value))
+        self._progress()
+
+    def _host_buffer(self, shard_data) -> np.ndarray:
+        if self.path == "direct":
+            if shard_data.devices().pop().platform == "cpu":
+                self.stats["send_buffers_zero_copy"] += 1
+                return np.from_dlpack(shard_data)
+            self.stats["send_buffers_zero_copy"] += 1
+            return shard_data  # a device buffer: mpi4py reads it through DLPack
+        self.stats["send_buffers_copied"] += 1
+        host = aligned_empty(shard_data.shape, shard_data.dtype)
+        np.copyto(host, np.asarray(shard_data))
+        return host
+
+    def _start_send(self, tag: Tag, value) -> None:
+        route = self._route(tag)
+        code = self._tag(tag)
+        by_device = {s.device: s.data for s in value.addressable_shards}
+        buffers: dict[int, np.ndarray] = {}
+        requests = []
+        for src_pos, peer, region in route.sends:
+            if src_pos not in buffers:
+                buffers[src_pos] = self._host_buffer(by_device[self._devices[src_pos]])
+            requests.append(self.comm.Isend(region.message(buffers[src_pos]), dest=peer, tag=code))
+        self.stats["sends"] += 1
+        self.stats["bytes_sent"] += route.nbytes_sent
+        # The value and its views stay referenced until MPI is done with them.
+        self._inflight.append((requests, value, list(buffers.values())))
+
+    def _progress(self, block: bool = False) -> None:
+        """Start the Isends of queued values that are computed (all of them if `block`), and
+        drop the references of sends that completed."""
+        still = []
+        for tag, value in self._pending_sends:
+            if not block and (still or not value.is_ready()):  # keep the send order
+                still.append((tag, value))
+                continue
+            if block:
+                value.block_until_ready()
+            self._start_send(tag, value)
+        self._pending_sends = still
+        if self._inflight:
+            MPI = self._MPI
+            self._inflight = [f for f in self._inflight if not MPI.Request.Testall(f[0])]
+
+    def flush(self) -> None:
+        self._progress(block=True)
+        for requests, _, _ in self._inflight:
+            self._MPI.Request.Waitall(requests)
+        self._inflight = []
+
+    # -- receives
+
+    def prepost(self, tags: list[Tag]) -> None:
+        for tag in tags:
+            if tag not in self._posted:
+                self._post(tag)
+        self._progress()
+
+    def _post(self, tag: Tag) -> None:
+        if tag.dst_stage != self.stage:
+            raise ValueError(f"{tag} is received by stage {tag.dst_stage}, not by this process's stage {self.stage}")
+        route = self._route(tag)
+        code = self._tag(tag)
+        buffers = {pos: self._recv_buffer(reshard.shape_of(buf), route.dtype, self._devices[pos])
+                   for pos, (buf, _) in route.recv_shapes.items()}
+        requests = [self.comm.Irecv(region.message(buffers[pos]), source=peer, tag=code)
+                    for pos, peer, region in route.recvs]
+        self._posted[tag] = (requests, buffers)
+
+    def _recv_buffer(self, shape, dtype, device):
+        """Where a message lands: device memory on the direct path to an accelerator (MPI
+        writes into a fresh, unaliased JAX buffer through DLPack), else aligned host memory."""
+        if self.path == "direct" and device.platform != "cpu":
+            import jax.numpy as jnp
+
+            return jnp.zeros(shape, dtype, device=device)
+        return aligned_empty(shape, dtype)
+
+    def ready(self, tag: Tag) -> bool:
+        if tag not in self._posted:
+            self._post(tag)
+        self._progress()
+        return bool(self._MPI.Request.Testall(self._posted[tag][0]))
+
+    def recv(self, tag: Tag):
+        import jax
+
+        if tag not in self._posted:
+            self._post(tag)
+        requests, buffers = self._posted.pop(tag)
+        # Our own queued sends only wait for local compute; start them so that no peer
+        # waits on us while we wait on it.
+        self._progress(block=True)
+        self._MPI.Request.Waitall(requests)
+        route = self._route(tag)
+        sharding = self._shardings[self.stage]
+        arrays = []
+        for pos, device in enumerate(self._devices):
+            if device.process_index != self._me_process:
+                continue
+            buffer, block = route.recv_shapes[pos]
+            received = buffers[pos]
+            if buffer != block:  # naive broadcast: the device keeps only its block
+                received = received[reshard.relative(block, buffer)]
+                if isinstance(received, np.ndarray):
+                    received = _aligned_copy(received)
+            arrays.append(received if not isinstance(received, np.ndarray) else self._adopt(received, device))
+        self.stats["recvs"] += 1
+        self.stats["bytes_received"] += route.nbytes_received
+        return jax.make_array_from_single_device_arrays(self.shape, sharding, arrays)
+
+    def _adopt(self, host: np.ndarray, device):
+        """`host` as a JAX buffer on `device`, without a copy where the backend allows."""
+        import jax
+
+        if self.path == "staged" or device.platform != "cpu":
+            array = jax.device_put(host, device, may_alias=False)
+            self.stats["recv_buffers_copied"] += 1
+            return array
+        try:
+            array = jax.dlpack.from_dlpack(host, device=device, copy=False)
+        except (ValueError, RuntimeError):  # e.g. not the first CPU device: let PJRT alias it
+            array = jax.device_put(host, device, may_alias=True)
+        adopted = array.unsafe_buffer_pointer() == host.ctypes.data
+        self.stats["recv_buffers_adopted" if adopted else "recv_buffers_copied"] += 1
+        return array
+
+    # -- cross-stage scalars
+
+    def sum_across_stages(self, local: Mapping[int, float]) -> float:
+        from mpi4py import MPI
+
+        self._progress(block=True)
+        return float(self.comm.allreduce(float(sum(local.values())), op=MPI.SUM))
+
+    def share_from_stage(self, stage: int, values: list[float] | None) -> list[float]:
+        self._progress(block=True)
+        root = self.role.first_rank[stage]
+        if self.comm.rank == root and values is None:
+            raise ValueError(f"rank {root} leads stage {stage} and must pass its values")
+        return list(self.comm.bcast(values if self.comm.rank == root else None, root=root))
+
+    def barrier(self) -> None:
+        self._progress(block=True)
+        self.comm.Barrier()
+
+    # -- teardown
+
+    def _free_routes(self) -> None:
+        for route in self._routes.values():
+            route.free()
+        self._routes = {}
+
+    def close(self) -> None:
+        self.flush()
+        for requests, _ in self._posted.values():
+            for r in requests:
+                r.Cancel()
+                r.Wait()
+        self._posted = {}
+        self._free_routes()
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+
+# ----------------------------------------------------------------------------- a whole run
+
+
+_role: ProcessRole | None = None
+
+
+def process_role(plan) -> ProcessRole:
+    """This process's role, configuring it for `plan` on first use (before JAX starts)."""
+    global _role
+    if _role is None:
+        _role = configure_process_for_plan(plan)
+    return _role
+
+
+def gather_stage_params(params: dict) -> dict:
+    """A stage's flat {name: array} as numpy; a stage spanning several processes gathers its
+    shards over its own jax.distributed group first."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+def run_mpi(plan, steps: int = 10, *, dataset=None, on_step=None, return_params: bool = False,
+            path: str = "auto", transport: "MPITransport | None" = None):
+    """`h2jax.runtime.train.run` for a process of an `mpiexec` job: configures the process
+    for its stage (if not done yet), builds only that stage, and trains it with the other
+    ranks through an MPITransport. Returns a RunResult (losses are known on every rank;
+    `params` holds this process's stage)."""
+    from h2jax.runtime.train import RunResult, Trainer, default_dataset, train
+    from h2jax.sharding import flatten_params
+    from h2jax.transport.multihost import stage_mesh_devices
+
+    role = process_role(plan)
+    transport = transport or MPITransport(plan, path=path, barrier=False)
+    stage = plan.stages[role.stage]
+    devices = list(stage_mesh_devices(stage.mesh.data, stage.mesh.tensor).reshape(-1))
+    trainer = Trainer(plan, transport, stages=[role.stage], devices={role.stage: devices})
+    dataset = dataset or default_dataset(plan)
+    losses, times, norms = train(
+        trainer.step, plan, dataset, steps, on_step=on_step,
+        grad_norm=lambda: trainer.pipeline.last_grad_norm,
+    )
+    params = None
+    if return_params:
+        ex = trainer.executors[role.stage]
+        params = gather_stage_params(flatten_params(ex.params))
+    result = RunResult(losses, times, plan.tokens_per_step, plan.n_devices, params, norms)
+    result.transport = transport.describe()
+    transport.flush()
+    return result
+
+
+def _aligned_copy(host: np.ndarray) -> np.ndarray:
+    out = aligned_empty(host.shape, host.dtype)
+    np.copyto(out, host)
+    return out
+
+
+__all__ = [
+    "MPITransport", "mpi_world_size", "configure_process_for_plan", "install_abort_on_error",
+    "abort_on_failure", "startup_barrier", "choose_path", "aligned_empty", "first_ranks",
+    "run_mpi", "process_role",
+]
