@@ -532,3 +532,72 @@ def zb_caps(plan: Any, costs: Sequence[StageCost]) -> list[int]:
 def closed_form_uniform_1f1b(f: float, b: float, n_stages: int, n_micro: int) -> float:
     """(m + p - 1)(f + b): 1F1B's step over uniform stages without communication."""
     return (n_micro + n_stages - 1) * (f + b)
+
+
+def chips_for(plan: Any, cluster: Any = None) -> Any:
+    """The chip types a plan's costs come from: the cluster's (with its per-group overrides)
+    when given, else each named chip's file in backends/."""
+    if cluster is not None:
+        return cluster
+    from h2jax.cluster import load_chip
+
+    return {s.chip: load_chip(s.chip) for s in plan.stages}
+
+
+def plan_report(plan: Any, costs: Sequence[StageCost], result: SimResult) -> dict[str, Any]:
+    """The simulated step beside the cost model's closed form, per plan and per stage."""
+    from h2jax.planner import cost_model
+
+    closed = None
+    if result.schedule in sched.COMPUTE_ORDERS:
+        closed = cost_model.iteration_time(list(costs), result.n_micro, result.schedule)
+    tokens_per_s = plan.tokens_per_step / result.iteration_s
+    gib = 2.0**30
+    stages = []
+    for i, (s, c) in enumerate(zip(plan.stages, costs)):
+        stages.append({
+            "chip": s.chip, "data": s.mesh.data, "tensor": s.mesh.tensor,
+            "layers": list(s.layers), "recompute": s.recompute,
+            "forward_s": c.forward_s, "backward_s": c.backward_s,
+            "backward_weight_s": c.backward_weight_s, "send_s": c.send_s,
+            "dp_reduce_s": c.dp_reduce_s, "optimizer_s": c.optimizer_s,
+            "busy_s": result.busy_s[i], "idle_s": result.idle_s[i],
+            "peak_in_flight": result.peak_in_flight[i],
+            "peak_memory_gib": result.peak_memory_bytes[i] / gib,
+        })
+    return {
+        "schedule": result.schedule,
+        "n_stages": result.n_stages,
+        "n_micro": result.n_micro,
+        "n_chips": plan.n_devices,
+        "tokens_per_step": plan.tokens_per_step,
+        "iteration_s": result.iteration_s,
+        "pipeline_s": result.pipeline_s,
+        "closed_form_s": closed,
+        "sim_minus_closed_s": None if closed is None else result.iteration_s - closed,
+        "relative_difference": None if closed is None else (result.iteration_s - closed) / closed,
+        "tokens_per_s": tokens_per_s,
+        "tgs": tokens_per_s / plan.n_devices,
+        "bubble_fraction": result.bubble_fraction,
+        "stages": stages,
+    }
+
+
+def rerank_by_simulation(
+    plans: Sequence[Any],
+    cluster: Any = None,
+    profile: Any = None,
+    schedule: str | None = None,
+) -> list[tuple[Any, SimResult]]:
+    """`h2jax plan --refine-with-sim K`: the planner's best K plans, re-ordered by simulated
+    step time (the closed form ranks them; the simulator sees link contention, per-stage
+    gradient-reduction overlap and fill/drain exactly). Ties keep the planner's order."""
+    from h2jax.planner import cost_model
+
+    scored = []
+    for rank, plan in enumerate(plans):
+        costs = cost_model.stage_costs(plan, chips_for(plan, cluster), profile)
+        result = simulate_plan(plan, costs, schedule=schedule)
+        scored.append((result.iteration_s, rank, plan, result))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    return [(plan, result) for _, _, plan, result in scored]

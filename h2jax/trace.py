@@ -113,3 +113,50 @@ def read_trace(path: str | os.PathLike[str]) -> list[TraceEvent]:
         out.append(TraceEvent(e["pid"], e["name"], e["ts"] / 1e6, e.get("dur", 0.0) / 1e6,
                               e.get("args"), e["cat"]))
     return out
+
+
+COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#C9A227", "SEND": "#8172B2", "RECV": "#999999"}
+
+
+def plot_timeline(
+    events: Iterable[Sequence[Any]],
+    path: str | os.PathLike[str],
+    stage_names: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Path:
+    """A PNG timeline: one row per stage, F/B/W slices coloured by kind (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    by_row: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    stages: set[int] = set()
+    for record in events:
+        e = _as_event(record)
+        stages.add(e.stage)
+        if e.lane != "compute" or e.duration_s <= 0:
+            continue
+        kind = e.name.rstrip("0123456789")
+        by_row.setdefault((e.stage, kind), []).append((e.start_s, e.duration_s))
+    n = max(stages) + 1 if stages else 1
+    fig, ax = plt.subplots(figsize=(12, max(2.0, 0.3 * n + 1.2)))
+    for (stage, kind), spans in by_row.items():
+        ax.broken_barh(spans, (stage - 0.4, 0.8), facecolors=COLORS.get(kind, "#333333"),
+                       edgecolor="white", linewidth=0.3 if len(spans) < 2000 else 0)
+    ax.set_ylim(n - 0.5, -0.5)
+    ticks = list(range(n)) if n <= 40 else list(range(0, n, max(1, n // 20)))
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([stage_names[i] if stage_names else f"stage {i}" for i in ticks], fontsize=7)
+    ax.set_xlabel("seconds")
+    kinds = sorted({k for _, k in by_row}, key="FBW".find)
+    ax.legend(handles=[Patch(color=COLORS.get(k, "#333333"), label=k) for k in kinds],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,197 @@
+"""HeteroSpeedupRatio, measured the honest way: plan and simulate a mixed cluster and each of its
+chip types alone, at the same global batch.
+
+    HeteroSpeedupRatio = tokens/s of the mixed cluster / sum over chip types of the tokens/s
+                         that type's chips reach alone
+
+(the H2 paper's N*TGS / sum N_i*TGS_i with TGS per chip of the cluster, so chips a plan leaves
+idle count against it). Each side is the planner's best plan, timed by the simulator.
+
+The paper compared mixed runs at 6-8M-token global batches with homogeneous baselines at 2M
+tokens. A larger batch means more micro-batches per step, a smaller pipeline bubble and a
+cheaper per-token gradient reduction, so part of its "superlinear" gain is the batch size,
+not the mixing. `compare` reports both: baselines at the same batch (the default) and, labelled
+as the paper's method, at a fixed baseline batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+from h2jax.cluster import Cluster
+from h2jax.config import ConfigError, ModelConfig, get_config
+from h2jax.plan import Plan
+from h2jax.planner.profile import Profile
+
+_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_tokens(text: str | int) -> int:
+    """'4M' -> 4 * 2**20 tokens (binary suffixes K, M, G, as batch sizes are quoted); '4194304' ok."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMG]?)i?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"token count {text!r} is not a number like 4194304 or 4M")
+    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value != int(value) or value < 1:
+        raise ConfigError(f"token count {text!r} must be a positive whole number of tokens")
+    return int(value)
+
+
+def sequences(tokens: int, seq_len: int) -> int:
+    if tokens % seq_len:
+        raise ConfigError(
+            f"global batch of {tokens} tokens is not a whole number of {seq_len}-token sequences; "
+            f"use a multiple of {seq_len} (e.g. {max(1, round(tokens / seq_len)) * seq_len})"
+        )
+    return tokens // seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One planned and simulated configuration."""
+
+    label: str  # "mixed" or the chip type
+    cluster_chips: int  # chips of the (sub-)cluster, idle ones included
+    global_batch_tokens: int
+    plan: Plan | None
+    predicted_s: float | None  # the cost model's closed form
+    simulated_s: float | None
+    error: str | None = None  # why no plan exists (e.g. the model does not fit)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.simulated_s is None else self.global_batch_tokens / self.simulated_s
+
+    @property
+    def tgs(self) -> float | None:
+        """Tokens per second per chip of the (sub-)cluster."""
+        t = self.tokens_per_s
+        return None if t is None else t / self.cluster_chips
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "label": self.label,
+            "cluster_chips": self.cluster_chips,
+            "chips_used": None if p is None else p.n_devices,
+            "global_batch_tokens": self.global_batch_tokens,
+            "stages": None if p is None else p.n_stages,
+            "micro_batch": None if p is None else p.micro_batch,
+            "n_micro": None if p is None else p.n_micro,
+            "predicted_s": self.predicted_s,
+            "simulated_s": self.simulated_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tgs": self.tgs,
+            "error": self.error,
+        }
+
+
+def plan_and_simulate(
+    cluster: Cluster,
+    model: ModelConfig | str,
+    seq_len: int,
+    global_batch_tokens: int,
+    label: str,
+    schedule: str = "1f1b",
+    profile: Profile | None = None,
+) -> Run:
+    from h2jax.planner import cost_model
+    from h2jax.planner.search import PlannerError, candidate_plan, top_k
+    from h2jax.sim import simulate_plan
+
+    model = get_config(model)
+    batch = sequences(global_batch_tokens, seq_len)
+    try:
+        (best,), _ = top_k(cluster, model, seq_len, batch, k=1, schedule=schedule, profile=profile)
+    except PlannerError as e:
+        return Run(label, cluster.n_chips, global_batch_tokens, None, None, None, str(e))
+    plan = candidate_plan(best, model, seq_len, batch, schedule)
+    costs = cost_model.stage_costs(plan, cluster, profile)
+    sim = simulate_plan(plan, costs)
+    predicted = cost_model.iteration_time(costs, plan.n_micro, plan.schedule)
+    return Run(label, cluster.n_chips, global_batch_tokens, plan, predicted, sim.iteration_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    cluster: str
+    mixed: Run
+    same_batch: Mapping[str, Run]  # per chip type, at the mixed run's global batch
+    fixed_batch: Mapping[str, Run] | None  # per chip type, at the baseline batch (paper's method)
+    baseline_global_batch_tokens: int | None
+
+    @staticmethod
+    def _ratio(mixed: Run, baselines: Mapping[str, Run] | None, simulated: bool = True) -> float | None:
+        if baselines is None or mixed.simulated_s is None:
+            return None
+        if any(b.simulated_s is None for b in baselines.values()):
+            return None
+        def rate(r: Run) -> float:
+            t = r.simulated_s if simulated else r.predicted_s
+            return r.global_batch_tokens / t
+        return rate(mixed) / sum(rate(b) for b in baselines.values())
+
+    @property
+    def ratio_same_batch(self) -> float | None:
+        """HeteroSpeedupRatio against baselines at the same global batch: the honest number."""
+        return self._ratio(self.mixed, self.same_batch)
+
+    @property
+    def ratio_fixed_batch(self) -> float | None:
+        """The paper's method: baselines at a fixed (smaller) global batch."""
+        return self._ratio(self.mixed, self.fixed_batch)
+
+    @property
+    def batch_size_effect(self) -> float | None:
+        """How much of the paper-method ratio is the batch size, not the mixing."""
+        a, b = self.ratio_fixed_batch, self.ratio_same_batch
+        return None if a is None or b is None else a - b
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "global_batch_tokens": self.mixed.global_batch_tokens,
+            "baseline_global_batch_tokens": self.baseline_global_batch_tokens,
+            "hetero_speedup_ratio": self.ratio_same_batch,
+            "hetero_speedup_ratio_cost_model": self._ratio(self.mixed, self.same_batch, simulated=False),
+            "hetero_speedup_ratio_paper_method": self.ratio_fixed_batch,
+            "batch_size_effect": self.batch_size_effect,
+            "mixed": self.mixed.to_dict(),
+            "baselines_same_batch": {k: v.to_dict() for k, v in self.same_batch.items()},
+            "baselines_fixed_batch": None if self.fixed_batch is None
+            else {k: v.to_dict() for k, v in self.fixed_batch.items()},
+        }
+
+
+def compare(
+    cluster: Cluster,
+    model: ModelConfig | str,
+    seq_len: int,
+    global_batch_tokens: int,
+    baseline_global_batch_tokens: int | None = None,
+    schedule: str = "1f1b",
+    profile: Profile | None = None,
+    cache: dict[tuple[str, int], Run] | None = None,
+) -> Comparison:
+    """Plan and simulate the mixed cluster and each chip type alone; see the module docstring.
+
+    `cache` (keyed by (label, tokens)) lets a study reuse baselines across batch sizes.
+    """
+    cache = {} if cache is None else cache
+
+    def run(sub: Cluster, label: str, tokens: int) -> Run:
+        key = (label, tokens)
+        if key not in cache:
+            cache[key] = plan_and_simulate(sub, model, seq_len, tokens, label, schedule, profile)
+        return cache[key]
+
+    mixed = run(cluster, "mixed", global_batch_tokens)
+    same = {c: run(cluster.only(c), c, global_batch_tokens) for c in cluster.chips}
+    fixed = None
+    if baseline_global_batch_tokens is not None:
+        fixed = {c: run(cluster.only(c), c, baseline_global_batch_tokens) for c in cluster.chips}
+    return Comparison(cluster.name, mixed, same, fixed, baseline_global_batch_tokens)
