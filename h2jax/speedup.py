@@ -5,7 +5,9 @@ chip types alone, at the same global batch.
                          that type's chips reach alone
 
 (the H2 paper's N*TGS / sum N_i*TGS_i with TGS per chip of the cluster, so chips a plan leaves
-idle count against it). Each side is the planner's best plan, timed by the simulator.
+idle count against it; `h2jax.planner.hetero_speedup_ratio` is the one definition, and a chip
+type that cannot hold the model alone counts 0). Each side is the planner's best plan (its
+homogeneous baselines for the chip types alone), timed by the simulator.
 
 The paper compared mixed runs at 6-8M-token global batches with homogeneous baselines at 2M
 tokens. A larger batch means more micro-batches per step, a smaller pipeline bubble and a
@@ -90,30 +92,58 @@ class Run:
         }
 
 
-def plan_and_simulate(
+def _simulated(plan: Plan, cluster: Cluster, profile: Profile | None) -> tuple[float, float]:
+    """(closed-form, simulated) seconds per step of a plan."""
+    from h2jax.planner import cost_model
+    from h2jax.sim import simulate_plan
+
+    costs = cost_model.stage_costs(plan, cluster, profile)
+    closed = cost_model.iteration_time(costs, plan.n_micro, plan.schedule)
+    return closed, simulate_plan(plan, costs).iteration_s
+
+
+def plan_mixed(
     cluster: Cluster,
     model: ModelConfig | str,
     seq_len: int,
     global_batch_tokens: int,
-    label: str,
     schedule: str = "1f1b",
     profile: Profile | None = None,
 ) -> Run:
-    from h2jax.planner import cost_model
-    from h2jax.planner.search import PlannerError, candidate_plan, top_k
-    from h2jax.sim import simulate_plan
+    """The planner's best plan for the whole cluster, timed by the simulator."""
+    from h2jax.planner import PlannerError, plan_cluster
 
-    model = get_config(model)
     batch = sequences(global_batch_tokens, seq_len)
     try:
-        (best,), _ = top_k(cluster, model, seq_len, batch, k=1, schedule=schedule, profile=profile)
+        result = plan_cluster(cluster, model, seq_len, batch, schedule, profile=profile, baselines=False)
     except PlannerError as e:
-        return Run(label, cluster.n_chips, global_batch_tokens, None, None, None, str(e))
-    plan = candidate_plan(best, model, seq_len, batch, schedule)
-    costs = cost_model.stage_costs(plan, cluster, profile)
-    sim = simulate_plan(plan, costs)
-    predicted = cost_model.iteration_time(costs, plan.n_micro, plan.schedule)
-    return Run(label, cluster.n_chips, global_batch_tokens, plan, predicted, sim.iteration_s)
+        return Run("mixed", cluster.n_chips, global_batch_tokens, None, None, None, str(e))
+    closed, sim = _simulated(result.plan, cluster, profile)
+    return Run("mixed", cluster.n_chips, global_batch_tokens, result.plan, closed, sim)
+
+
+def plan_alone(
+    cluster: Cluster,
+    model: ModelConfig | str,
+    seq_len: int,
+    global_batch_tokens: int,
+    schedule: str = "1f1b",
+    profile: Profile | None = None,
+) -> dict[str, Run]:
+    """Each chip type of the cluster planned alone (the planner's homogeneous baselines), each
+    timed by the simulator. A type that cannot hold the model alone has no plan and counts 0."""
+    from h2jax.planner import homogeneous_baselines
+
+    batch = sequences(global_batch_tokens, seq_len)
+    out = {}
+    for chip, b in homogeneous_baselines(cluster, get_config(model), seq_len, batch,
+                                         schedule=schedule, profile=profile).items():
+        if b.plan is None:
+            out[chip] = Run(chip, b.chips, global_batch_tokens, None, None, None, b.reason)
+            continue
+        closed, sim = _simulated(b.plan, cluster.only(chip), profile)
+        out[chip] = Run(chip, b.chips, global_batch_tokens, b.plan, closed, sim)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,14 +156,19 @@ class Comparison:
 
     @staticmethod
     def _ratio(mixed: Run, baselines: Mapping[str, Run] | None, simulated: bool = True) -> float | None:
+        """The planner's N*TGS / sum N_i*TGS_i, with simulated (or closed-form) step times."""
+        from h2jax.planner import Baseline, hetero_speedup_ratio
+
         if baselines is None or mixed.simulated_s is None:
             return None
-        if any(b.simulated_s is None for b in baselines.values()):
-            return None
+
         def rate(r: Run) -> float:
             t = r.simulated_s if simulated else r.predicted_s
-            return r.global_batch_tokens / t
-        return rate(mixed) / sum(rate(b) for b in baselines.values())
+            return 0.0 if t is None else r.global_batch_tokens / t
+
+        alone = {c: Baseline(c, r.cluster_chips, r.global_batch_tokens, rate(r), None, r.plan, r.error)
+                 for c, r in baselines.items()}
+        return hetero_speedup_ratio(rate(mixed), alone)
 
     @property
     def ratio_same_batch(self) -> float | None:
@@ -175,23 +210,20 @@ def compare(
     baseline_global_batch_tokens: int | None = None,
     schedule: str = "1f1b",
     profile: Profile | None = None,
-    cache: dict[tuple[str, int], Run] | None = None,
+    cache: dict[tuple[str, int], dict[str, Run]] | None = None,
 ) -> Comparison:
     """Plan and simulate the mixed cluster and each chip type alone; see the module docstring.
 
-    `cache` (keyed by (label, tokens)) lets a study reuse baselines across batch sizes.
+    `cache` (keyed by ("alone", tokens)) lets a study reuse baselines across batch sizes.
     """
     cache = {} if cache is None else cache
 
-    def run(sub: Cluster, label: str, tokens: int) -> Run:
-        key = (label, tokens)
+    def alone(tokens: int) -> dict[str, Run]:
+        key = ("alone", tokens)
         if key not in cache:
-            cache[key] = plan_and_simulate(sub, model, seq_len, tokens, label, schedule, profile)
+            cache[key] = plan_alone(cluster, model, seq_len, tokens, schedule, profile)
         return cache[key]
 
-    mixed = run(cluster, "mixed", global_batch_tokens)
-    same = {c: run(cluster.only(c), c, global_batch_tokens) for c in cluster.chips}
-    fixed = None
-    if baseline_global_batch_tokens is not None:
-        fixed = {c: run(cluster.only(c), c, baseline_global_batch_tokens) for c in cluster.chips}
-    return Comparison(cluster.name, mixed, same, fixed, baseline_global_batch_tokens)
+    mixed = plan_mixed(cluster, model, seq_len, global_batch_tokens, schedule, profile)
+    fixed = None if baseline_global_batch_tokens is None else alone(baseline_global_batch_tokens)
+    return Comparison(cluster.name, mixed, alone(global_batch_tokens), fixed, baseline_global_batch_tokens)
