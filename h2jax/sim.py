@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from typing import Any, Sequence
 
 from h2jax import schedule as sched
@@ -364,7 +365,7 @@ def _zb_greedy(
     link_fwd, link_bwd = [0.0] * p, [0.0] * p
     t_free, idx_at, busy = [0.0] * p, [0] * p, [0.0] * p
     live_at, peak_at, grads_done = [0] * p, [0] * p, [0.0] * p
-    pending: list[list[int]] = [[] for _ in range(p)]
+    pending: list[deque[int]] = [deque() for _ in range(p)]
     waiting = [-1] * p
 
     stack = list(range(p - 1, -1, -1))
@@ -380,13 +381,13 @@ def _zb_greedy(
                 break
             if defer[i]:
                 while held and kind == sched.F and live + 1 > caps[i]:
-                    j = held.pop(0)
+                    j = held.popleft()
                     order.append((sched.W, j))
                     t += w
                     busy[i] += w
                     live -= 1
                 while held and t + w <= ready:
-                    j = held.pop(0)
+                    j = held.popleft()
                     order.append((sched.W, j))
                     t += w
                     busy[i] += w
