@@ -40,13 +40,15 @@ class ReferenceModel:
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             norm = jnp.sqrt(squared_norm(grads))
             params, opt_state = apply_clipped_update(self.tx, params, opt_state, grads, norm, clip_norm)
-            return params, opt_state, loss
+            return params, opt_state, loss, norm
 
+        self.last_grad_norm = float("nan")
         self._step = jax.jit(step, donate_argnums=(0, 1))
 
     def step(self, tokens: np.ndarray) -> float:
         tokens = jax.device_put(tokens, self.device)
-        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, tokens)
+        self.params, self.opt_state, loss, norm = self._step(self.params, self.opt_state, tokens)
+        self.last_grad_norm = float(norm)
         return float(loss)
 
     def params_numpy(self) -> dict:

@@ -27,6 +27,7 @@ from h2jax.sharding import (
     make_mesh,
     named,
     param_shardings,
+    shape_tree,
 )
 
 # Selective recomputation keeps matmul outputs and recomputes the cheap elementwise work
@@ -39,6 +40,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 def _dtype(name: str):
     return DTYPES[name]
+
+
+def _zeros_f32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
 
 
 class StageExecutor:
@@ -61,9 +66,6 @@ class StageExecutor:
 
         self.graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
         self.param_sharding = param_shardings(abstract_state, self.mesh)
-        # Shape first, then initialize straight into the sharded layout: no stage ever
-        # materializes a parameter on one device.
-        self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build())), out_shardings=self.param_sharding)()
         self.tx = make_optimizer(plan.optimizer)
         # Optimizer moments take their parameter's layout; scalars (step counts) are
         # replicated on the stage mesh. Every step's outputs are pinned to these layouts.
@@ -71,12 +73,20 @@ class StageExecutor:
         self.opt_sharding = optax.tree_map_params(
             self.tx,
             lambda _, sharding: sharding,
-            jax.eval_shape(self.tx.init, self.params),
+            jax.eval_shape(self.tx.init, shape_tree(abstract_state)),
             self.param_sharding,
             transform_non_params=lambda _: replicated,
         )
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sharding)(self.params)
-        self.grad_acc = self._zeros_f32()
+
+        def init():
+            params = nnx.to_pure_dict(nnx.state(build()))
+            return params, self.tx.init(params), _zeros_f32(params)
+
+        # Shape first, then one compiled init straight into the sharded layout: no stage
+        # ever materializes a parameter on a single device.
+        self.params, self.opt_state, self.grad_acc = jax.jit(
+            init, out_shardings=(self.param_sharding, self.opt_sharding, self.param_sharding)
+        )()
         self.params_dtype = _dtype(param_dtype)
         # In a stage spanning several processes (one jax.distributed group per stage) only
         # the group's first process speaks for the stage in cross-stage collectives.
@@ -133,12 +143,16 @@ class StageExecutor:
                 out_shardings=grad_out_sh,
             )
         self._sq_norm = jax.jit(squared_norm)
-        self._update = jax.jit(
-            lambda params, opt_state, acc, norm: apply_clipped_update(
+        def update(params, opt_state, acc, norm):
+            params, opt_state = apply_clipped_update(
                 self.tx, params, opt_state, acc, norm, self.plan.optimizer.clip_norm
-            ),
-            donate_argnums=(0, 1),
-            out_shardings=(self.param_sharding, self.opt_sharding),
+            )
+            return params, opt_state, _zeros_f32(acc)
+
+        self._update = jax.jit(
+            update,
+            donate_argnums=(0, 1, 2),
+            out_shardings=(self.param_sharding, self.opt_sharding, self.param_sharding),
         )
 
     # ------------------------------------------------------------------ the runtime's calls
@@ -164,16 +178,10 @@ class StageExecutor:
 
     def update(self, global_norm: float) -> None:
         """One optimizer step with the gradients accumulated since the last one."""
-        self.params, self.opt_state = self._update(
+        self.params, self.opt_state, self.grad_acc = self._update(
             self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
         )
-        self.grad_acc = self._zeros_f32()
 
-    def _zeros_f32(self):
-        return jax.jit(
-            lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
-            out_shardings=self.param_sharding,
-        )(self.params)
 
     def put_input(self, x: np.ndarray):
         return jax.device_put(x, self.input_sharding)

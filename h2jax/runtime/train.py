@@ -121,7 +121,9 @@ def run(
         from h2jax.runtime.reference import ReferenceModel
 
         model = ReferenceModel(plan)
-        losses, times, norms = train(model.step, plan, dataset, steps, on_step=on_step)
+        losses, times, norms = train(
+            model.step, plan, dataset, steps, on_step=on_step, grad_norm=lambda: model.last_grad_norm
+        )
         params = None
         if return_params:
             from h2jax.sharding import flatten_params

@@ -1,0 +1,79 @@
+"""Pipelined equals unpipelined: the foundation's correctness number.
+
+Losses are compared under AdamW and parameters under SGD: AdamW divides each update by the
+root of its second moment, so a last-bit difference in a near-zero gradient (summation
+order differs between 1 and 4 devices) becomes a visible difference in that parameter —
+a property of the optimizer, not of the pipeline. Tolerances are f32, rtol 1e-5.
+"""
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+from h2jax.data import TokenDataset
+from h2jax.plan import plan_from_dict
+from h2jax.runtime.train import run
+
+STEPS = 3
+SIX_LAYERS = {"vocab_size": 256, "d_model": 64, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128}
+OPTIMIZERS = {
+    # clip_norm well below the gradient norm (~0.7 here), so clipping is active every step
+    "sgd": {"name": "sgd", "learning_rate": 0.5, "clip_norm": 0.3},
+    "adamw": {"name": "adamw", "learning_rate": 0.01, "weight_decay": 0.1, "clip_norm": 0.3},
+}
+
+
+def stage(data, tensor, layers, recompute="none"):
+    return {"chip": "cpu", "mesh": {"data": data, "tensor": tensor}, "layers": layers, "recompute": recompute}
+
+
+CASES = {
+    "one-stage": ("tiny", [stage(1, 1, [0, 4])]),
+    "two-stage-d2t1-d1t2": ("tiny", [stage(2, 1, [0, 2]), stage(1, 2, [2, 4])]),
+    "two-stage-recompute-full": ("tiny", [stage(1, 2, [0, 3], "full"), stage(2, 1, [3, 4], "full")]),
+    "four-stage-uneven": (
+        SIX_LAYERS,
+        [stage(1, 1, [0, 1]), stage(2, 1, [1, 3], "selective"), stage(1, 2, [3, 4], "full"), stage(2, 1, [4, 6])],
+    ),
+}
+
+
+def make_plan(model, stages, schedule, optimizer):
+    return plan_from_dict({
+        "format_version": 1, "model": model, "seq_len": 16, "global_batch": 8, "micro_batch": 2,
+        "schedule": schedule, "seed": 0, "optimizer": OPTIMIZERS[optimizer], "stages": stages,
+    })
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model_json, optimizer, token_path):
+    model = json.loads(model_json)
+    plan = make_plan(model, [stage(1, 1, [0, plan_layers(model)])], "1f1b", optimizer)
+    return run(plan, STEPS, dataset=TokenDataset(token_path, 16), unpipelined=True, return_params=True)
+
+
+def plan_layers(model):
+    return 4 if model == "tiny" else model["n_layers"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_pipelined_equals_unpipelined(case, schedule, optimizer, token_file):
+    if optimizer == "adamw" and schedule == "gpipe" and case != "four-stage-uneven":
+        pytest.skip("AdamW losses are checked under GPipe on the 4-stage case; the rest repeat it")
+    model, stages = CASES[case]
+    plan = make_plan(model, stages, schedule, optimizer)
+    got = run(plan, STEPS, dataset=TokenDataset(token_file, 16), return_params=True)
+    want = reference(json.dumps(model), optimizer, str(token_file))
+
+    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
+    np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=1e-5)
+    assert min(got.grad_norms) > OPTIMIZERS[optimizer]["clip_norm"]  # clipping was active
+    assert len(set(np.round(got.losses, 6))) == STEPS  # the parameters moved
+    if optimizer == "sgd":
+        assert got.params.keys() == want.params.keys()
+        for name in want.params:
+            np.testing.assert_allclose(got.params[name], want.params[name], rtol=1e-5, atol=1e-7, err_msg=name)
