@@ -124,3 +124,122 @@ def load_chip(name: str, directory: Path | None = None) -> ChipType:
     with path.open("rb") as f:
         raw = tomllib.load(f)
     return chip_from_dict(name, raw, where=str(path))
+
+
+# ----------------------------------------------------------------------------- clusters
+
+# Per-group fields that may override the chip file (a site's nodes can differ from the sheet).
+_GROUP_OVERRIDES = ("chips_per_node", "intra_node_gbps", "inter_node_gbps")
+_GROUP_KEYS = ("chip", "count") + _GROUP_OVERRIDES
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChipGroup:
+    """`count` chips of one type; `chip` already has the group's overrides applied."""
+
+    chip: ChipType
+    count: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cluster:
+    """Chip groups, at most one per chip type, in the order the cluster file lists them."""
+
+    groups: tuple[ChipGroup, ...]
+    name: str = "cluster"
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError(f"cluster {self.name!r} has no [[group]]; add at least one chip group")
+        seen: set[str] = set()
+        for g in self.groups:
+            if g.chip.name in seen:
+                raise ConfigError(
+                    f"cluster {self.name!r} lists chip type {g.chip.name!r} twice; "
+                    "merge the groups into one (counts add up)"
+                )
+            seen.add(g.chip.name)
+            if g.count < 1:
+                raise ConfigError(f"cluster {self.name!r}: group {g.chip.name!r} count must be >= 1")
+
+    @property
+    def chips(self) -> dict[str, ChipType]:
+        return {g.chip.name: g.chip for g in self.groups}
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {g.chip.name: g.count for g in self.groups}
+
+    @property
+    def n_chips(self) -> int:
+        return sum(g.count for g in self.groups)
+
+    def only(self, chip_name: str) -> "Cluster":
+        """The sub-cluster of one chip type (for homogeneous baselines)."""
+        groups = tuple(g for g in self.groups if g.chip.name == chip_name)
+        if not groups:
+            raise ConfigError(
+                f"cluster {self.name!r} has no chip type {chip_name!r}; it has {', '.join(self.chips)}"
+            )
+        return Cluster(groups, name=f"{self.name}[{chip_name}]")
+
+
+def cluster_from_dict(raw: Mapping[str, Any], where: str, directory: Path | None = None) -> Cluster:
+    """Parse `{name?, group: [{chip, count, chips_per_node?, intra_node_gbps?, inter_node_gbps?}]}`."""
+    unknown = sorted(set(raw) - {"name", "description", "group"})
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown top-level key(s) {unknown}; a cluster file has `name`, "
+            "`description` and [[group]] tables"
+        )
+    groups_raw = raw.get("group")
+    if not isinstance(groups_raw, list) or not groups_raw:
+        raise ConfigError(
+            f"{where}: no [[group]] tables; add e.g.\n[[group]]\nchip = \"nvidia-h100\"\ncount = 8"
+        )
+    groups = []
+    for i, g in enumerate(groups_raw):
+        gw = f"{where}: group[{i}]"
+        if not isinstance(g, Mapping):
+            raise ConfigError(f"{gw} must be a table with `chip` and `count`")
+        bad = sorted(set(g) - set(_GROUP_KEYS))
+        if bad:
+            raise ConfigError(f"{gw}: unknown key(s) {bad}; known keys: {', '.join(_GROUP_KEYS)}")
+        if "chip" not in g:
+            raise ConfigError(
+                f"{gw}.chip is missing; name a chip type, one of: {', '.join(known_chips(directory))}"
+            )
+        count = g.get("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ConfigError(f"{gw}.count must be an integer >= 1, got {count!r}")
+        chip = load_chip(str(g["chip"]), directory)
+        overrides: dict[str, Any] = {}
+        for key in _GROUP_OVERRIDES:
+            if key in g:
+                value = g[key]
+                if key == "chips_per_node":
+                    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                        raise ConfigError(f"{gw}.chips_per_node must be an integer >= 1, got {value!r}")
+                elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                    raise ConfigError(f"{gw}.{key} must be a positive number (GB/s per chip), got {value!r}")
+                overrides[key] = type(getattr(chip, key))(value)
+        if overrides:
+            chip = dataclasses.replace(
+                chip, source=f"{chip.source}; overridden by {where}: {sorted(overrides)}", **overrides
+            )
+        groups.append(ChipGroup(chip, count))
+    return Cluster(tuple(groups), name=str(raw.get("name", where)))
+
+
+def load_cluster(path: str | Path, directory: Path | None = None) -> Cluster:
+    """Read a cluster TOML file; unknown chip types list the known ones."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"cluster file {path} does not exist; see plans/cluster-*.toml for examples")
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"cluster file {path} is not valid TOML: {e}") from None
+    raw.setdefault("name", path.stem)
+    return cluster_from_dict(raw, where=str(path), directory=directory)

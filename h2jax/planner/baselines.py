@@ -1,0 +1,79 @@
+"""Homogeneous baselines and the HeteroSpeedupRatio.
+
+A heterogeneous plan is only worth reporting next to what each chip type achieves alone *at
+the same global batch*: ratio = N*TGS / sum_i N_i*TGS_i = tokens/s of the mixed cluster over
+the sum of the tokens/s of each chip group planned alone. A chip type that cannot hold the
+model alone contributes 0 (and says why). A baseline at a different, fixed batch (the H2
+paper's way) can be computed too, and is always labelled `batch_matched: false`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from h2jax.cluster import Cluster
+from h2jax.config import ConfigError, get_config
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Baseline:
+    chip: str
+    chips: int
+    global_batch: int
+    tokens_per_s: float  # 0 when the type cannot hold the model alone
+    iteration_time_s: float | None
+    plan: Any | None  # h2jax.plan.Plan
+    reason: str | None = None  # why there is no plan
+
+    @property
+    def tgs(self) -> float:
+        return self.tokens_per_s / self.chips
+
+    def to_dict(self, batch_matched: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "chips": self.chips,
+            "global_batch": self.global_batch,
+            "batch_matched": batch_matched,
+            "tokens_per_s": self.tokens_per_s,
+            "tgs": self.tgs,
+            "iteration_time_s": self.iteration_time_s,
+        }
+        if self.plan is not None:
+            out["stages"] = len(self.plan.stages)
+            out["micro_batch"] = self.plan.micro_batch
+            out["mesh"] = [[s.mesh.data, s.mesh.tensor] for s in self.plan.stages]
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+def homogeneous_baselines(
+    cluster: Cluster,
+    model: Any,
+    seq_len: int,
+    global_batch: int,
+    **search_kwargs: Any,
+) -> dict[str, Baseline]:
+    """Each chip group of the cluster planned alone (same search, same cost model)."""
+    from h2jax.planner.search import candidate_plan, top_k  # late: search does not need baselines
+
+    model = get_config(model)
+    schedule = search_kwargs.get("schedule", "1f1b")
+    out = {}
+    for name, count in cluster.counts.items():
+        try:
+            (best,), _ = top_k(cluster.only(name), model, seq_len, global_batch, k=1, **search_kwargs)
+        except ConfigError as e:
+            out[name] = Baseline(name, count, global_batch, 0.0, None, None, reason=str(e))
+            continue
+        tokens_per_s = global_batch * seq_len / best.time_s
+        plan = candidate_plan(best, model, seq_len, global_batch, schedule)
+        out[name] = Baseline(name, count, global_batch, tokens_per_s, best.time_s, plan)
+    return out
+
+
+def hetero_speedup_ratio(tokens_per_s: float, baselines: Mapping[str, Baseline]) -> float | None:
+    """N*TGS / sum_i N_i*TGS_i; None when no chip type can train the model alone."""
+    alone = sum(b.tokens_per_s for b in baselines.values())
+    return tokens_per_s / alone if alone > 0 else None

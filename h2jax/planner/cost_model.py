@@ -1,0 +1,335 @@
+"""The cost model: seconds per micro-batch of each pipeline stage, and the iteration time.
+
+Notation (docs/planner.md has the same equations with the reasoning):
+
+    d = d_model, h = n_heads, g = n_kv_heads, e = head_dim, F = d_ff, V = vocab, s = seq_len
+    b = micro-batch (sequences, whole pipeline), D x T = a stage's (data, tensor) mesh
+    n = (b / D) * s                     tokens per device per micro-batch
+    P_mm = d*h*e + 2*d*g*e + h*e*d + 3*d*F   matmul parameters of one layer
+
+Per layer and device, forward FLOPs are  n * (2*P_mm + 4*s*h*e) / T  (the attention scores
+QK^T and AV are counted over the full s x s square, which is what a masked XLA attention
+computes). The backward costs twice the forward; of it, the weight-gradient share is
+n * 2*P_mm / T. Recomputation adds work to the backward: `full` adds a whole forward,
+`selective` (Korthikanti et al. 2022: recompute the attention core only) adds n*4*s*h*e/T.
+Time = FLOPs / (peak * efficiency(n, d/T)), with
+
+    efficiency(n, w) = E_MAX * n/(n + N_HALF) * w/(w + W_HALF)
+
+Small per-device matmuls (few tokens, or a layer width cut thin by tensor parallelism)
+leave a chip's matrix units idle and become memory- and launch-bound; large ones approach
+the 60-75% of dense peak that well-tuned LLM training reaches on every vendor's chip. The
+curve is a saturating fit with E_MAX = 0.75 and half-efficiency at 256 tokens and width 256;
+a measured profile replaces it (see profile.py).
+
+Tensor parallelism (Megatron, no sequence parallelism): two all-reduces of n*d activations
+per layer forward and two backward (two more if the backward recomputes the forward), as a
+ring on intra-node bandwidth (inter-node if T exceeds chips_per_node):
+
+    allreduce(bytes, k, bw) = 2*(k-1)/k * bytes/bw + 2*(k-1)*ALPHA
+
+End stages: stage 0 holds the vocab-parallel embedding (one all-reduce forward), the last
+stage the final norm and the vocab-parallel head: logits forward 2*n*d*V/T FLOPs, backward
+twice that, one all-reduce backward.
+
+Stage-to-stage transfer (the MPI transport's topology-aware resharding): one micro-batch's
+activation, b*s*d*bytes, crosses the link once; each receiving data-parallel group gets its
+slice split over its tensor ranks, each sending group spreads its slice over its ranks, so
+
+    send_s = max(bytes/(D_s*T_s*bw_s), bytes/(D_r*T_r*bw_r))     (inter-node bandwidths)
+
+and the activation gradient goes back with the same bytes and time.
+
+Once per iteration: the data-parallel all-reduce of the stage's f32 gradients over D chips
+(ZeRO-1's reduce-scatter + all-gather move the same bytes), and the optimizer step, which is
+memory-bound: 28 bytes per owned parameter for AdamW (read p, g, m, v; write p, m, v),
+12 for SGD, at an HBM bandwidth estimated as peak / MACHINE_BALANCE (chip files carry no
+HBM figure; 200 FLOP/byte is within 2x of every shipped chip's sheet).
+
+Iteration time (closed form, t_i = f_i + b_i, c_i = send_i + link latency):
+
+    1F1B:  sum_i t_i + 2*sum_i c_i + (m-1)*max(max_i t_i, max_i send_i) + max_i (dp_i + opt_i)
+    GPipe: sum_i (f_i + b_i) + 2*sum_i c_i + (m-1)*(max(max f, max send) + max(max b, max send))
+           + max_i (dp_i + opt_i)
+
+For uniform stages without communication both reduce to (m + p - 1)*(f + b).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from h2jax.cluster import ChipType, Cluster
+from h2jax.config import ConfigError, ModelConfig
+from h2jax.plan import Optimizer, Plan
+from h2jax.planner import memory_model as mm
+from h2jax.planner.profile import Profile
+from h2jax.planner.stage_cost import StageCost
+
+E_MAX = 0.75
+N_HALF = 256.0  # tokens per device at which the token factor of efficiency is one half
+W_HALF = 256.0  # per-device layer width (d_model / tensor) at which the width factor is one half
+ALPHA_S = 5e-6  # per-step latency of a ring collective
+LINK_LATENCY_S = 1e-5  # fixed latency of one stage-to-stage send
+MACHINE_BALANCE = 200.0  # FLOP per byte of HBM, to estimate HBM bandwidth from peak FLOP/s
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 28, "sgd": 12}
+GRAD_BYTES = 4  # gradients accumulate in f32
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def dtype_bytes(name: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {name!r} in a chip's [precision]; use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def efficiency(tokens: float, width: float) -> float:
+    """Fraction of dense peak a layer's matmuls reach; see the module docstring."""
+    return E_MAX * tokens / (tokens + N_HALF) * width / (width + W_HALF)
+
+
+def allreduce_s(nbytes: float, k: int, gbps: float) -> float:
+    """Ring all-reduce of `nbytes` over `k` chips at `gbps` GB/s per chip."""
+    if k <= 1:
+        return 0.0
+    return 2.0 * (k - 1) / k * nbytes / (gbps * 1e9) + 2.0 * (k - 1) * ALPHA_S
+
+
+def matmul_params(model: ModelConfig) -> int:
+    d, e = model.d_model, model.head_dim
+    return d * model.n_heads * e + 2 * d * model.n_kv_heads * e + model.n_heads * e * d + 3 * d * model.d_ff
+
+
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    return 4.0 * seq_len * model.n_heads * model.head_dim
+
+
+def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward, no recomputation): the MFU numerator."""
+    per_layer = 2.0 * matmul_params(model) + attention_flops_per_token(model, seq_len)
+    return 3.0 * (model.n_layers * per_layer + 2.0 * model.d_model * model.vocab_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageTerms:
+    """A stage shape's costs as linear functions of its layer count l: x(l) = x_layer*l + x_end.
+
+    The search evaluates thousands of layer splits with these; `stage_costs` turns them into
+    a StageCost for a concrete plan, so both use the same numbers.
+    """
+
+    fwd_layer: float
+    fwd_end: float
+    bwd_layer: float
+    bwd_end: float
+    bwd_weight_layer: float
+    bwd_weight_end: float
+    tail_layer: float  # dp reduce + optimizer, per layer
+    tail_end: float
+    dp_layer: float
+    dp_end: float
+    mem: mm.StageMemoryTerms
+
+    def fwd(self, n_layers: int) -> float:
+        return self.fwd_layer * n_layers + self.fwd_end
+
+    def bwd(self, n_layers: int) -> float:
+        return self.bwd_layer * n_layers + self.bwd_end
+
+    def tail(self, n_layers: int) -> float:
+        return self.tail_layer * n_layers + self.tail_end
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CostOptions:
+    """Modelling choices that are not in the plan file."""
+
+    shard_optimizer: bool = True  # ZeRO-1: optimizer state sharded over `data`
+    optimizer: str = "adamw"
+
+
+def stage_terms(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    chip: ChipType,
+    data: int,
+    tensor: int,
+    recompute: str,
+    first: bool,
+    last: bool,
+    in_flight: int,
+    profile: Profile | None = None,
+    options: CostOptions = CostOptions(),
+) -> StageTerms:
+    d, V = model.d_model, model.vocab_size
+    tokens = micro_batch / data * seq_len
+    act_bytes = dtype_bytes(chip.precision.compute_dtype)
+    rate = chip.peak_tflops * 1e12 * efficiency(tokens, d / tensor)
+    tp_gbps = chip.intra_node_gbps if tensor <= chip.chips_per_node else chip.inter_node_gbps
+    tp_ar = allreduce_s(tokens * d * act_bytes, tensor, tp_gbps)
+
+    mm_flops = tokens * 2.0 * matmul_params(model) / tensor
+    attn_flops = tokens * attention_flops_per_token(model, seq_len) / tensor
+    fwd_flops = mm_flops + attn_flops
+    recompute_flops = {"none": 0.0, "selective": attn_flops, "full": fwd_flops}[recompute]
+
+    entry = profile.lookup(chip.name, tensor, int(round(tokens)), recompute) if profile else None
+    measured_act: int | None = None
+    if entry is not None:
+        fwd_layer = entry.forward_s
+        bwd_plain = entry.backward_s
+        if entry.recompute != recompute:  # measured without it: add the recomputed forward share
+            bwd_plain += entry.forward_s * recompute_flops / fwd_flops
+        bwd_layer = bwd_plain
+        bwd_weight_layer = bwd_layer * mm_flops / (2.0 * fwd_flops + recompute_flops)
+        if entry.recompute == recompute:
+            measured_act = entry.activation_bytes
+    else:
+        fwd_layer = fwd_flops / rate + 2 * tp_ar
+        bwd_layer = (2.0 * fwd_flops + recompute_flops) / rate + (4 if recompute == "full" else 2) * tp_ar
+        bwd_weight_layer = mm_flops / rate
+
+    fwd_end = bwd_end = bwd_weight_end = 0.0
+    if first:  # vocab-parallel embedding: a gather and one all-reduce
+        fwd_end += tp_ar
+    if last:  # final norm + vocab-parallel head + loss
+        logit_flops = tokens * 2.0 * d * V / tensor
+        fwd_end += logit_flops / rate
+        bwd_end += 2.0 * logit_flops / rate + tp_ar
+        bwd_weight_end += logit_flops / rate
+
+    end_params = mm.end_params(model, first, last)
+    dp_gbps = chip.intra_node_gbps if data * tensor <= chip.chips_per_node else chip.inter_node_gbps
+    dp_layer = allreduce_s(GRAD_BYTES * model.layer_param_count() / tensor, data, dp_gbps) - (
+        allreduce_s(0.0, data, dp_gbps)
+    )
+    dp_end = allreduce_s(GRAD_BYTES * end_params / tensor, data, dp_gbps)
+    owned = tensor * (data if options.shard_optimizer else 1)
+    hbm = chip.peak_tflops * 1e12 / MACHINE_BALANCE
+    opt_per_param = OPTIMIZER_BYTES_PER_PARAM[options.optimizer] / hbm / owned
+    tail_layer = dp_layer + opt_per_param * model.layer_param_count()
+    tail_end = dp_end + opt_per_param * end_params
+
+    mem = mm.stage_memory_terms(
+        model, seq_len, micro_batch, chip, data, tensor, recompute, first, last, in_flight,
+        options.shard_optimizer, options.optimizer, measured_act,
+    )
+    return StageTerms(
+        fwd_layer, fwd_end, bwd_layer, bwd_end, bwd_weight_layer, bwd_weight_end,
+        tail_layer, tail_end, dp_layer, dp_end, mem,
+    )
+
+
+def send_terms(
+    model: ModelConfig, seq_len: int, micro_batch: int,
+    sender: ChipType, s_data: int, s_tensor: int,
+    receiver: ChipType, r_data: int, r_tensor: int,
+) -> tuple[float, int]:
+    """(seconds, bytes) of one micro-batch's activation from one stage to the next."""
+    nbytes = micro_batch * seq_len * model.d_model * dtype_bytes(sender.precision.compute_dtype)
+    seconds = max(
+        nbytes / (s_data * s_tensor * sender.inter_node_gbps * 1e9),
+        nbytes / (r_data * r_tensor * receiver.inter_node_gbps * 1e9),
+    )
+    return seconds, nbytes
+
+
+def chips_by_name(cluster_or_chips: Cluster | Mapping[str, ChipType]) -> Mapping[str, ChipType]:
+    return cluster_or_chips.chips if isinstance(cluster_or_chips, Cluster) else cluster_or_chips
+
+
+def in_flight(schedule: str, stage: int, n_stages: int, n_micro: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at its peak."""
+    if schedule == "gpipe":
+        return n_micro
+    return min(n_stages - stage, n_micro)
+
+
+def plan_stage_terms(
+    plan: Plan,
+    cluster_or_chips: Cluster | Mapping[str, ChipType],
+    profile: Profile | None = None,
+    options: CostOptions | None = None,
+) -> list[StageTerms]:
+    chips = chips_by_name(cluster_or_chips)
+    if profile is not None:
+        profile.check_matches(plan.model, plan.seq_len)
+    options = options or CostOptions(optimizer=plan.optimizer.name)
+    p = plan.n_stages
+    out = []
+    for i, st in enumerate(plan.stages):
+        if st.chip not in chips:
+            raise ConfigError(
+                f"stages[{i}].chip {st.chip!r} is not in the cluster; it has {', '.join(chips) or '(none)'}"
+            )
+        out.append(stage_terms(
+            plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
+            st.recompute, i == 0, i == p - 1, in_flight(plan.schedule, i, p, plan.n_micro), profile, options,
+        ))
+    return out
+
+
+def stage_costs(
+    plan: Plan,
+    cluster_or_chips: Cluster | Mapping[str, ChipType],
+    profile: Profile | None = None,
+    options: CostOptions | None = None,
+) -> list[StageCost]:
+    """Per-stage, per-micro-batch costs of an existing plan (what the simulator replays)."""
+    chips = chips_by_name(cluster_or_chips)
+    terms = plan_stage_terms(plan, chips, profile, options)
+    p = plan.n_stages
+    costs = []
+    for i, (st, t) in enumerate(zip(plan.stages, terms)):
+        n = st.n_layers
+        if i < p - 1:
+            nxt = plan.stages[i + 1]
+            send_s, send_bytes = send_terms(
+                plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
+                chips[nxt.chip], nxt.mesh.data, nxt.mesh.tensor,
+            )
+            latency = LINK_LATENCY_S
+        else:
+            send_s, send_bytes, latency = 0.0, 0, 0.0
+        costs.append(StageCost(
+            forward_s=t.fwd(n),
+            backward_s=t.bwd(n),
+            backward_weight_s=t.bwd_weight_layer * n + t.bwd_weight_end,
+            send_s=send_s,
+            send_bytes=send_bytes,
+            dp_reduce_s=t.dp_layer * n + t.dp_end,
+            optimizer_s=t.tail(n) - (t.dp_layer * n + t.dp_end),
+            activation_bytes=t.mem.activation_bytes(n),
+            static_bytes=t.mem.static_bytes(n),
+            link_latency_s=latency,
+        ))
+    return costs
+
+
+def iteration_time(costs: list[StageCost], n_micro: int, schedule: str = "1f1b") -> float:
+    """Closed-form seconds of one optimizer step; see the module docstring."""
+    if not costs:
+        raise ConfigError("iteration_time needs at least one stage")
+    if n_micro < 1:
+        raise ConfigError(f"n_micro must be >= 1, got {n_micro}")
+    links = sum(c.send_s + c.link_latency_s for c in costs)
+    max_send = max(c.send_s for c in costs)
+    tail = max(c.dp_reduce_s + c.optimizer_s for c in costs)
+    if schedule == "1f1b":
+        steady = max(max(c.forward_s + c.backward_s for c in costs), max_send)
+        fill = sum(c.forward_s + c.backward_s for c in costs)
+    elif schedule == "gpipe":
+        steady = max(max(c.forward_s for c in costs), max_send) + max(max(c.backward_s for c in costs), max_send)
+        fill = sum(c.forward_s for c in costs) + sum(c.backward_s for c in costs)
+    else:
+        raise ConfigError(f"schedule {schedule!r} is unknown; use 1f1b or gpipe")
+    return fill + 2.0 * links + (n_micro - 1) * steady + tail
+
+
+def bubble_fraction(costs: list[StageCost], n_micro: int, iteration_s: float) -> float:
+    """Share of stage-seconds not spent on forward/backward compute: (p-1)/(m+p-1) when uniform."""
+    busy = n_micro * sum(c.forward_s + c.backward_s for c in costs)
+    return 1.0 - busy / (len(costs) * iteration_s)

@@ -1,0 +1,176 @@
+"""HeteroAuto end to end: search a cluster, fill the plan's `predicted`, compare with baselines."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from typing import Any, Iterable, Mapping, Sequence
+
+from h2jax.cluster import Cluster
+from h2jax.config import ModelConfig, get_config
+from h2jax.plan import RECOMPUTE_POLICIES, Optimizer, Plan
+from h2jax.planner import cost_model as cm
+from h2jax.planner.baselines import Baseline, hetero_speedup_ratio, homogeneous_baselines
+from h2jax.planner.memory_model import GIB
+from h2jax.planner.profile import Profile
+from h2jax.planner.search import Candidate, PlannerError, SearchStats, candidate_plan, top_k
+
+
+@dataclasses.dataclass
+class PlanResult:
+    plan: Plan  # the best plan, `predicted` filled
+    candidates: list[Candidate]  # the top-k stage lists, fastest first (candidates[0] is `plan`)
+    stats: SearchStats
+    baselines: dict[str, Baseline]  # each chip type alone at the same global batch
+    hetero_speedup_ratio: float | None
+    uniform_split: dict[str, Any] | None  # the same stages with layers split evenly, for contrast
+    fixed_batch_baselines: dict[str, Baseline] | None = None  # paper-style, batch-mismatched
+
+    def summary(self) -> dict[str, Any]:
+        """What `h2jax plan --json` prints."""
+        return {"plan": self.plan.to_dict()}
+
+
+def predict(
+    plan: Plan,
+    cluster: Cluster,
+    profile: Profile | None = None,
+    options: cm.CostOptions | None = None,
+) -> dict[str, Any]:
+    """The figures `predicted` holds, computed through the public stage_costs/iteration_time."""
+    options = options or cm.CostOptions(optimizer=plan.optimizer.name)
+    costs = cm.stage_costs(plan, cluster, profile, options)
+    terms = cm.plan_stage_terms(plan, cluster, profile, options)
+    t = cm.iteration_time(costs, plan.n_micro, plan.schedule)
+    tokens_per_s = plan.tokens_per_step / t
+    used = Counter()
+    for s in plan.stages:
+        used[s.chip] += s.mesh.size
+    peak = sum(cluster.chips[c].peak_tflops * 1e12 * n for c, n in used.items())
+    memory = [term.mem.total_bytes(s.n_layers) for term, s in zip(terms, plan.stages)]
+    for i, (mem, term) in enumerate(zip(memory, terms)):
+        if mem > term.mem.capacity:  # never emit a plan that does not fit
+            raise PlannerError(
+                f"stages[{i}] needs {mem / GIB:.2f} GiB per chip but {plan.stages[i].chip} has "
+                f"{term.mem.capacity / GIB:.2f} GiB; this is a planner bug, please report it"
+            )
+    return {
+        "iteration_time_s": t,
+        "tokens_per_s": tokens_per_s,
+        "tgs": tokens_per_s / cluster.n_chips,
+        "tgs_used_chips": tokens_per_s / sum(used.values()),
+        "mfu": cm.model_flops_per_token(plan.model, plan.seq_len) * tokens_per_s / peak,
+        "bubble_fraction": cm.bubble_fraction(costs, plan.n_micro, t),
+        "n_micro": plan.n_micro,
+        "memory_gib": [m / GIB for m in memory],
+        "memory_capacity_gib": [term.mem.capacity / GIB for term in terms],
+        "chips_used": dict(used),
+        "chips_unused": {c: n - used.get(c, 0) for c, n in cluster.counts.items() if n - used.get(c, 0)},
+        "cost_model": "profile" if profile is not None else "analytical",
+        "optimizer_sharded_over_data": options.shard_optimizer,
+    }
+
+
+def plan_cluster(
+    cluster: Cluster,
+    model: ModelConfig | str,
+    seq_len: int,
+    global_batch: int,
+    schedule: str = "1f1b",
+    exhaustive: bool = False,
+    profile: Profile | None = None,
+    *,
+    k: int = 1,
+    micro_batches: Iterable[int] | None = None,
+    recompute: Sequence[str] = RECOMPUTE_POLICIES,
+    optimizer: Optimizer = Optimizer(),
+    shard_optimizer: bool = True,
+    baselines: bool = True,
+    baseline_global_batch: int | None = None,
+    time_limit_s: float | None = None,
+) -> PlanResult:
+    """The fastest plan for `cluster` under the cost model, with homogeneous baselines.
+
+    `global_batch` is in sequences. `k` > 1 keeps the k best stage lists in `candidates`
+    (for re-ranking with the simulator). `baseline_global_batch` adds paper-style baselines at
+    a different batch, labelled batch-mismatched; the ratio always uses the matched ones.
+    """
+    model = get_config(model)
+    options = cm.CostOptions(shard_optimizer=shard_optimizer, optimizer=optimizer.name)
+    search_kwargs = dict(
+        schedule=schedule, exhaustive=exhaustive, profile=profile,
+        micro_batches=micro_batches, recompute=recompute, options=options, time_limit_s=time_limit_s,
+    )
+    candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, **search_kwargs)
+    best = candidates[0]
+    plan = candidate_plan(best, model, seq_len, global_batch, schedule, optimizer)
+    predicted = predict(plan, cluster, profile, options)
+    if not math.isclose(predicted["iteration_time_s"], best.time_s, rel_tol=1e-9):
+        raise PlannerError(
+            f"internal: search predicted {best.time_s} s but stage_costs gives "
+            f"{predicted['iteration_time_s']} s for the same plan; please report this"
+        )
+    predicted.update(
+        search_time_s=stats.search_time_s,
+        plans_evaluated=stats.plans_evaluated,
+        configs_visited=stats.configs_visited,
+        space_size=stats.space_size,
+        proved_optimal=stats.proved_optimal,
+        exhaustive=exhaustive,
+    )
+
+    base: dict[str, Baseline] = {}
+    ratio = None
+    fixed = None
+    if baselines:
+        base = homogeneous_baselines(cluster, model, seq_len, global_batch, **search_kwargs)
+        ratio = hetero_speedup_ratio(predicted["tokens_per_s"], base)
+        predicted["hetero_speedup_ratio"] = ratio
+        predicted["baselines"] = {c: b.to_dict(batch_matched=True) for c, b in base.items()}
+        if baseline_global_batch is not None:
+            fixed = homogeneous_baselines(cluster, model, seq_len, baseline_global_batch, **search_kwargs)
+            fixed_ratio = hetero_speedup_ratio(predicted["tokens_per_s"], fixed)
+            predicted["fixed_batch_baselines"] = {c: b.to_dict(batch_matched=False) for c, b in fixed.items()}
+            predicted["hetero_speedup_ratio_batch_mismatched"] = fixed_ratio
+    uniform = uniform_split(plan, cluster, profile, options)
+    if uniform is not None:
+        predicted["uniform_split"] = uniform
+    plan = dataclasses.replace(plan, predicted=predicted)
+    return PlanResult(plan, candidates, stats, base, ratio, uniform, fixed)
+
+
+def even_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    q, r = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for i in range(n_stages):
+        n = q + (1 if i < r else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def uniform_split(
+    plan: Plan, cluster: Cluster, profile: Profile | None, options: cm.CostOptions
+) -> dict[str, Any] | None:
+    """The planned stages with layers split evenly: what the layer split is worth (None if unfit)."""
+    if plan.n_stages > plan.model.n_layers:
+        return None
+    stages = [dataclasses.replace(s, layers=lr) for s, lr in zip(plan.stages, even_layers(plan.model.n_layers, plan.n_stages))]
+    even = plan.with_stages(stages)
+    terms = cm.plan_stage_terms(even, cluster, profile, options)
+    fits = all(t.mem.total_bytes(s.n_layers) <= t.mem.capacity for t, s in zip(terms, even.stages))
+    t = cm.iteration_time(cm.stage_costs(even, cluster, profile, options), even.n_micro, even.schedule)
+    return {"iteration_time_s": t, "tokens_per_s": even.tokens_per_step / t, "fits_in_memory": fits}
+
+
+def describe(result: PlanResult) -> Mapping[str, Any]:
+    """A compact dict of the plan's stages for tables and logs."""
+    p = result.plan
+    return {
+        "stages": [
+            {"chip": s.chip, "data": s.mesh.data, "tensor": s.mesh.tensor, "layers": list(s.layers),
+             "recompute": s.recompute, "memory_gib": p.predicted["memory_gib"][i]}
+            for i, s in enumerate(p.stages)
+        ]
+    }

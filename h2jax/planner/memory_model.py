@@ -1,0 +1,152 @@
+"""The memory model: bytes per device of one pipeline stage, as a linear function of its layers.
+
+Per device of a stage with l layers on a (D, T) mesh, micro-batch b, n = (b/D)*s tokens:
+
+    params      = l * P_layer/T * param_bytes            (+ embedding V*d/T on stage 0,
+    grads       = l * P_layer/T * 4                         head V*d/T + d on the last stage)
+    optimizer   = l * P_layer/T * 8 / (D if sharded)     AdamW m and v in f32 (ZeRO-1 shards over D)
+    activations = in_flight * l * A(n)                   1F1B: in_flight = min(p - i, m); GPipe: m
+    working     = one layer's un-recomputed activations if the stage recomputes (the layer being
+                  recomputed during the backward), + f32 logits and their gradient, n*V/T*4*2,
+                  on the last stage
+    reserve     = RESERVE_FRACTION of the chip's memory (runtime, XLA workspace, fragmentation)
+
+A(n), the bytes one layer keeps from forward to backward per device, adapts Korthikanti et
+al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Eq. 1-2, no
+sequence parallelism) to a SwiGLU MLP, grouped-query attention and no dropout, with a =
+activation bytes (the chip's compute dtype):
+
+    none:       n*a*(4d + ((h + 2g)*e + d + 3F + h*s)/T)   norm inputs/outputs (replicated over T),
+                                                           Q/K/V, attention output, gate/up/SiLU,
+                                                           softmax probabilities (h*s per token)
+    selective:  n*a*(4d + ((h + 2g)*e + d + 3F)/T)         the attention core is recomputed
+    full:       n*a*d                                      only the layer input is kept
+
+A measured profile's `activation_bytes` replaces A(n) when it has the shape and policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from h2jax.cluster import ChipType
+from h2jax.config import ModelConfig
+
+GIB = 1024**3
+RESERVE_FRACTION = 0.10
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 0}
+GRAD_BYTES = 4
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def end_params(model: ModelConfig, first: bool, last: bool) -> int:
+    """Parameters outside the transformer blocks that a stage holds."""
+    return (model.vocab_size * model.d_model if first else 0) + (
+        model.vocab_size * model.d_model + model.d_model if last else 0
+    )
+
+
+def layer_activation_bytes(
+    model: ModelConfig, seq_len: int, tokens: float, tensor: int, recompute: str, act_bytes: int
+) -> float:
+    """A(n): bytes one layer keeps per device for one micro-batch; see the module docstring."""
+    d, h, g, e, F = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff
+    if recompute == "full":
+        return tokens * act_bytes * d
+    sharded = (h + 2 * g) * e + d + 3 * F
+    if recompute == "none":
+        sharded += h * seq_len
+    return tokens * act_bytes * (4 * d + sharded / tensor)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageMemoryTerms:
+    """Bytes per device as linear functions of the stage's layer count l."""
+
+    layer_static: float  # params + grads + optimizer state of one layer
+    layer_activation: float  # one layer, one micro-batch
+    in_flight: int
+    params_end: float  # embedding / head: params + grads + optimizer state
+    working: float
+    reserve: float
+    capacity: float  # the chip's usable memory
+
+    def activation_bytes(self, n_layers: int) -> int:
+        return int(self.layer_activation * n_layers)
+
+    def static_bytes(self, n_layers: int) -> int:
+        """Everything but the in-flight activations (working buffers and reserve included)."""
+        return int(self.layer_static * n_layers + self.params_end + self.working + self.reserve)
+
+    def total_bytes(self, n_layers: int) -> float:
+        return (
+            (self.layer_static + self.in_flight * self.layer_activation) * n_layers
+            + self.params_end + self.working + self.reserve
+        )
+
+    def max_layers(self) -> int:
+        """Most layers that fit (may be <= 0: not even one layer fits)."""
+        room = self.capacity - self.params_end - self.working - self.reserve
+        per_layer = self.layer_static + self.in_flight * self.layer_activation
+        if room < 0:
+            return -1
+        return int(math.floor(room / per_layer + 1e-9))
+
+    def breakdown(self, n_layers: int) -> dict[str, float]:
+        """GiB per category, for reports."""
+        static = self.layer_static * n_layers + self.params_end
+        return {
+            "params_grads_optimizer": static / GIB,
+            "activations": self.in_flight * self.layer_activation * n_layers / GIB,
+            "working": self.working / GIB,
+            "reserve": self.reserve / GIB,
+            "total": self.total_bytes(n_layers) / GIB,
+            "capacity": self.capacity / GIB,
+        }
+
+
+def stage_memory_terms(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    chip: ChipType,
+    data: int,
+    tensor: int,
+    recompute: str,
+    first: bool,
+    last: bool,
+    in_flight: int,
+    shard_optimizer: bool = True,
+    optimizer: str = "adamw",
+    measured_activation: int | None = None,
+) -> StageMemoryTerms:
+    tokens = micro_batch / data * seq_len
+    a = _DTYPE_BYTES[chip.precision.compute_dtype]
+    per_param = (
+        _DTYPE_BYTES[chip.precision.param_dtype]
+        + GRAD_BYTES
+        + OPTIMIZER_STATE_BYTES[optimizer] / (data if shard_optimizer else 1)
+    )
+    layer_static = model.layer_param_count() / tensor * per_param
+    params_end = end_params(model, first, last) / tensor * per_param
+    if measured_activation is not None:
+        layer_act = float(measured_activation)
+    else:
+        layer_act = layer_activation_bytes(model, seq_len, tokens, tensor, recompute, a)
+    working = 0.0
+    if recompute != "none":
+        working += layer_activation_bytes(model, seq_len, tokens, tensor, "none", a)
+    if last:
+        working += tokens * model.vocab_size / tensor * 4 * 2
+    capacity = chip.usable_memory_gib * GIB
+    return StageMemoryTerms(
+        layer_static=layer_static,
+        layer_activation=layer_act,
+        in_flight=in_flight,
+        params_end=params_end,
+        working=working,
+        reserve=RESERVE_FRACTION * capacity,
+        capacity=capacity,
+    )

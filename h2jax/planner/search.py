@@ -1,0 +1,771 @@
+"""HeteroAuto's search: the fastest plan under the cost model, exactly, by branch and bound.
+
+The space (the same for the fast search and `exhaustive=True`):
+
+- chip types in pipeline order by memory, largest first (they hold the most in-flight
+  micro-batches under 1F1B), ties by peak FLOP/s then name;
+- a micro-batch size b among the divisors of the global batch;
+- per chip type t, either nothing or an *option* (k, D, T, r): k >= 1 consecutive stages, each
+  on a (data=D, tensor=T) mesh with recompute policy r, with D | b, T a divisor of
+  chips_per_node that the model's heads and d_ff allow, and k*D*T <= the type's chip count
+  (chips may stay unused);
+- a layer split: l_i >= 1 layers per stage, sum l_i = n_layers, every stage within memory.
+
+Fast search, per micro-batch size:
+
+1. Per type, cost each option's per-layer time c = forward + backward of one layer; drop options
+   whose single layer does not fit even with one micro-batch in flight (they never fit).
+2. Depth-first over types, options in decreasing "speed" k/c, with the lower bound
+       (m - 1) * L / sum_i(1/c_i) + sum_i c_i + (L - p) * min_i c_i
+   (the bottleneck of any split is at least the continuous balance L / sum 1/c_i; every stage
+   runs at least one layer; every other layer costs at least the cheapest c). Unassigned
+   types count with their fastest option and no fill, so the bound stays valid; a subtree
+   whose bound cannot beat the incumbent (the K-th best, for top-K) is cut.
+3. At a leaf, the exact layer split (`best_split`): the objective is
+       sum_i lin_i*l_i + C + sum_g w_g * max(floor_g, max_i(a_gi*l_i + o_gi))
+   (1F1B: one max for the steady state with weight m-1, one for the dp-reduce+optimizer
+   tail). For each max in turn it enumerates the candidate values v = a_gi*l + o_gi in
+   ascending order starting at the smallest feasible one (found by bisection: the
+   "bisection on the bottleneck time"), caps l_i <= (v - o_gi)/a_gi, and stops as soon as
+   the accumulated cost plus a lower bound of the rest cannot win; under all caps the
+   remaining linear part is minimised exactly by filling the cheapest stages first.
+   Every optimum is some candidate combination and every cut uses a valid bound, so the
+   result is the optimum of the space, which tests check against `exhaustive=True`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import time
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from h2jax.cluster import ChipType, Cluster
+from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
+from h2jax.plan import RECOMPUTE_POLICIES, SCHEDULES, Mesh, Optimizer, Plan, Stage
+from h2jax.planner import cost_model as cm
+from h2jax.planner.memory_model import GIB
+from h2jax.planner.profile import Profile
+
+
+class PlannerError(ConfigError):
+    """The planner cannot produce a plan; the message says which constraint fails and the fix."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Option:
+    """k stages of one chip type, each on a (data, tensor) mesh with one recompute policy."""
+
+    chip: str
+    stages: int
+    data: int
+    tensor: int
+    recompute: str
+    layer_s: float  # forward + backward of one layer (middle stage)
+    room: float = math.inf  # bytes per chip for layers (middle stage): capacity - reserve - working
+    layer_static: float = 0.0  # bytes per layer: params, grads, optimizer state
+    layer_activation: float = 0.0  # bytes per layer per micro-batch in flight
+    cap1: int = 0  # max_layers(1), kept for the bounds
+
+    def max_layers(self, in_flight: int) -> int:
+        """Most layers a middle stage holds; end stages hold no more (upper bound)."""
+        return int(math.floor(self.room / (self.layer_static + in_flight * self.layer_activation) + 1e-9))
+
+    @property
+    def chips(self) -> int:
+        return self.stages * self.data * self.tensor
+
+    @property
+    def speed(self) -> float:
+        return self.stages / self.layer_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Candidate:
+    """A point of the space with its predicted iteration time."""
+
+    time_s: float
+    micro_batch: int
+    options: tuple[Option, ...]  # in pipeline order, types without stages left out
+    layers: tuple[int, ...]
+
+    def stages(self) -> list[Stage]:
+        out, start = [], 0
+        shapes = [o for o in self.options for _ in range(o.stages)]
+        for o, n in zip(shapes, self.layers):
+            out.append(Stage(chip=o.chip, mesh=Mesh(o.data, o.tensor), layers=(start, start + n), recompute=o.recompute))
+            start += n
+        return out
+
+
+@dataclasses.dataclass
+class SearchStats:
+    configs_visited: int = 0  # leaves whose layer split was solved
+    plans_evaluated: int = 0  # (stage list, layer split) pairs whose iteration time was computed
+    space_size: int = 0  # stage lists in the space (before layer splits)
+    search_time_s: float = 0.0
+    proved_optimal: bool = True  # False when a time limit stopped the search early
+
+
+# ----------------------------------------------------------------------------- the space
+
+
+def pipeline_order(cluster: Cluster) -> list[ChipType]:
+    """Chip types, largest memory first (ties: faster first, then by name)."""
+    return sorted(cluster.chips.values(), key=lambda c: (-c.usable_memory_gib, -c.peak_tflops, c.name))
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tensor_sizes(model: ModelConfig, chip: ChipType) -> list[int]:
+    """Divisors of a node that divide the model's heads, kv heads and d_ff."""
+    return [
+        t for t in divisors(chip.chips_per_node)
+        if model.n_heads % t == 0 and model.n_kv_heads % t == 0 and model.d_ff % t == 0
+    ]
+
+
+@dataclasses.dataclass
+class _Context:
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    schedule: str
+    chips: dict[str, ChipType]
+    counts: dict[str, int]
+    order: list[str]
+    profile: Profile | None
+    options: cm.CostOptions
+    recompute: tuple[str, ...]
+    _terms: dict = dataclasses.field(default_factory=dict)
+    _sends: dict = dataclasses.field(default_factory=dict)
+
+    def terms(self, b: int, o: Option, first: bool, last: bool, in_flight: int) -> cm.StageTerms:
+        key = (b, o.chip, o.data, o.tensor, o.recompute, first, last, in_flight)
+        t = self._terms.get(key)
+        if t is None:
+            t = cm.stage_terms(
+                self.model, self.seq_len, b, self.chips[o.chip], o.data, o.tensor, o.recompute,
+                first, last, in_flight, self.profile, self.options,
+            )
+            self._terms[key] = t
+        return t
+
+    def send(self, b: int, s: Option, r: Option) -> float:
+        key = (b, s.chip, s.data, s.tensor, r.chip, r.data, r.tensor)
+        v = self._sends.get(key)
+        if v is None:
+            v = cm.send_terms(
+                self.model, self.seq_len, b, self.chips[s.chip], s.data, s.tensor,
+                self.chips[r.chip], r.data, r.tensor,
+            )[0]
+            self._sends[key] = v
+        return v
+
+    def type_options(self, b: int, prune_unfit: bool) -> list[list[Option]]:
+        """Per chip type (pipeline order), its options at micro-batch b, fastest first."""
+        L = self.model.n_layers
+        out = []
+        for name in self.order:
+            chip, count = self.chips[name], self.counts[name]
+            opts = []
+            for t in tensor_sizes(self.model, chip):
+                for d in divisors(b):
+                    if d * t > count:
+                        break
+                    for r in self.recompute:
+                        probe = Option(name, 1, d, t, r, 0.0)
+                        mid = self.terms(b, probe, False, False, 1)
+                        if prune_unfit and mid.mem.max_layers() < 1:
+                            continue
+                        c = mid.fwd_layer + mid.bwd_layer
+                        room = mid.mem.capacity - mid.mem.reserve - mid.mem.working - mid.mem.params_end
+                        per_layer = mid.mem.layer_static + mid.mem.layer_activation
+                        cap1 = min(L, int(math.floor(room / per_layer + 1e-9)))
+                        for k in range(1, min(L, count // (d * t)) + 1):
+                            opts.append(Option(
+                                name, k, d, t, r, c, room, mid.mem.layer_static, mid.mem.layer_activation, cap1,
+                            ))
+            opts.sort(key=lambda o: (-o.speed, o.chips, o.stages, o.data, o.tensor, o.recompute))
+            out.append(opts)
+        return out
+
+
+# ----------------------------------------------------------------------------- one stage list
+
+
+@dataclasses.dataclass
+class _Leaf:
+    lin: np.ndarray  # per-layer fill coefficient of each stage
+    const: float  # fill constants: end-stage terms and link latencies
+    groups: list[tuple[float, np.ndarray, np.ndarray, float]]  # (weight, a, o, floor)
+    caps: np.ndarray
+
+
+def _leaf(ctx: _Context, b: int, options: Sequence[Option]) -> _Leaf | None:
+    """The objective's coefficients for one stage list, or None if a stage cannot hold a layer."""
+    shapes = [o for o in options for _ in range(o.stages)]
+    p, m = len(shapes), ctx.global_batch // b
+    terms = [
+        ctx.terms(b, o, i == 0, i == p - 1, cm.in_flight(ctx.schedule, i, p, m)) for i, o in enumerate(shapes)
+    ]
+    L = ctx.model.n_layers
+    caps = np.minimum(np.array([t.mem.max_layers() for t in terms], dtype=np.int64), L - p + 1)
+    if caps.min() < 1 or caps.sum() < L:
+        return None
+    sends = [ctx.send(b, shapes[i], shapes[i + 1]) for i in range(p - 1)]
+    max_send = max(sends, default=0.0)
+    links = 2.0 * sum(s + cm.LINK_LATENCY_S for s in sends)
+    fwd_l = np.array([t.fwd_layer for t in terms])
+    bwd_l = np.array([t.bwd_layer for t in terms])
+    fwd_e = np.array([t.fwd_end for t in terms])
+    bwd_e = np.array([t.bwd_end for t in terms])
+    tail = (1.0, np.array([t.tail_layer for t in terms]), np.array([t.tail_end for t in terms]), -math.inf)
+    const = float(fwd_e.sum() + bwd_e.sum()) + links
+    if ctx.schedule == "1f1b":
+        groups = [(float(m - 1), fwd_l + bwd_l, fwd_e + bwd_e, max_send), tail]
+    else:
+        groups = [(float(m - 1), fwd_l, fwd_e, max_send), (float(m - 1), bwd_l, bwd_e, max_send), tail]
+    return _Leaf(fwd_l + bwd_l, const, groups, caps)
+
+
+def _objective(leaf: _Leaf, layers: np.ndarray) -> float:
+    value = leaf.const + float(leaf.lin @ layers)
+    for w, a, o, floor in leaf.groups:
+        value += w * max(floor, float((a * layers + o).max()))
+    return value
+
+
+def _greedy_fill(lin: np.ndarray, order: np.ndarray, caps: np.ndarray, L: int) -> np.ndarray | None:
+    """min sum lin_i*l_i s.t. 1 <= l_i <= caps_i, sum l_i = L: cheapest stages first (exact)."""
+    layers = np.ones_like(caps)
+    left = L - len(caps)
+    for i in order:
+        if left <= 0:
+            break
+        add = min(int(caps[i]) - 1, left)
+        layers[i] += add
+        left -= add
+    return layers if left == 0 else None
+
+
+def _caps_at(v: float, a: np.ndarray, o: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    # The 1e-9 absorbs rounding when v was computed as a*l + o itself.
+    return np.minimum(caps, np.floor((v - o) / a + 1e-9).astype(np.int64))
+
+
+def best_split(leaf: _Leaf, L: int, bound: float, stats: SearchStats) -> tuple[float, np.ndarray] | None:
+    """The optimal layer split of one stage list if it beats `bound`, else None (exact)."""
+    order = np.argsort(leaf.lin, kind="stable")
+    best: list[Any] = [bound, None]
+
+    def fill_cost(caps: np.ndarray) -> float:
+        layers = _greedy_fill(leaf.lin, order, caps, L)
+        return math.inf if layers is None else float(leaf.lin @ layers)
+
+    def rest_bound(g: int, caps: np.ndarray) -> float:
+        lb = leaf.const + fill_cost(caps)
+        for w, a, o, floor in leaf.groups[g:]:
+            lb += w * max(floor, float((a + o).max()))  # every stage holds >= 1 layer
+        return lb
+
+    def visit(g: int, caps: np.ndarray, acc: float) -> None:
+        if g == len(leaf.groups):
+            layers = _greedy_fill(leaf.lin, order, caps, L)
+            if layers is None:
+                return
+            stats.plans_evaluated += 1
+            value = _objective(leaf, layers)
+            if value < best[0]:
+                best[0], best[1] = value, layers
+            return
+        w, a, o, floor = leaf.groups[g]
+        lb_rest = rest_bound(g + 1, caps)
+        values = np.unique(np.concatenate([a[i] * np.arange(1, caps[i] + 1) + o[i] for i in range(len(caps))]))
+
+        def feasible(v: float) -> bool:
+            c = _caps_at(v, a, o, caps)
+            return c.min() >= 1 and c.sum() >= L
+
+        lo, hi = 0, len(values) - 1  # the largest value keeps every cap: feasible whenever caps are
+        if not feasible(values[hi]):
+            return
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if feasible(values[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        start = lo
+        if floor > values[start]:
+            # Every split whose max is below the floor costs the floor: try the loosest of them.
+            below = int(np.searchsorted(values, floor, side="right")) - 1
+            candidates = itertools.chain([floor], values[below + 1:])
+        else:
+            candidates = iter(values[start:])
+        for v in candidates:
+            charged = acc + w * max(floor, v)
+            if charged + lb_rest >= best[0]:
+                break
+            visit(g + 1, _caps_at(v, a, o, caps), charged)
+
+    visit(0, leaf.caps, 0.0)
+    return None if best[1] is None else (best[0], best[1])
+
+
+# ----------------------------------------------------------------------------- the two searches
+
+
+class _Envelope:
+    """The most layers some choice among `options` holds under a bottleneck v, as a step function.
+
+    An option of per-layer cost c, k stages and one-micro-batch memory cap `cap1` holds
+    k*min(cap1, floor(v/c)) layers when no stage may exceed v: end-stage terms and more
+    micro-batches in flight only lower that, so it bounds every position. Several
+    envelopes add up (types not chosen yet, for the bound of a partial choice).
+    """
+
+    def __init__(self, xs: np.ndarray, hs: np.ndarray) -> None:
+        self.xs, self.hs = xs, hs  # breakpoints (increasing) and the layers held from each on
+
+    @classmethod
+    def of_options(cls, options: Sequence[Option], L: int) -> "_Envelope":
+        pts_x, pts_h = [np.zeros(1)], [np.zeros(1)]
+        for o in options:
+            j = np.arange(1, min(o.cap1, L // o.stages if o.stages <= L else 0) + 1)
+            if len(j):
+                pts_x.append(j * o.layer_s)
+                pts_h.append(j * o.stages)
+        x, h = np.concatenate(pts_x), np.concatenate(pts_h)
+        order = np.argsort(x, kind="stable")
+        x, h = x[order], np.maximum.accumulate(h[order])
+        keep = np.concatenate([[True], h[1:] > h[:-1]])
+        return cls(x[keep], h[keep])
+
+    @classmethod
+    def zero(cls) -> "_Envelope":
+        return cls(np.zeros(1), np.zeros(1))
+
+    def __add__(self, other: "_Envelope") -> "_Envelope":
+        xs = np.union1d(self.xs, other.xs)
+        return _Envelope(xs, self(xs) + other(xs))
+
+    def __call__(self, v: Any) -> Any:
+        return self.hs[np.searchsorted(self.xs, v, side="right") - 1]
+
+
+class _Unit(NamedTuple):
+    """Stages of equal per-layer cost and memory cap, as the bounds see them."""
+
+    stages: int
+    layer_s: float
+    cap1: int
+
+
+def _units(assigned: Sequence[Option], m: int, schedule: str) -> list[_Unit]:
+    """The chosen options' stages with caps for the micro-batches each holds *at least*.
+
+    The search chooses types in pipeline order, so the chosen stages come first: stage i of
+    the n chosen holds at least min(n - i, m) micro-batches under 1F1B (m under GPipe) however
+    many stages follow.
+    """
+    n = sum(o.stages for o in assigned)
+    counts: dict[tuple[float, int], int] = {}
+    pos = 0
+    for o in assigned:
+        for _ in range(o.stages):
+            f = m if schedule == "gpipe" else min(n - pos, m)
+            key = (o.layer_s, min(o.cap1, o.max_layers(f)))
+            counts[key] = counts.get(key, 0) + 1
+            pos += 1
+    return [_Unit(k, c, cap) for (c, cap), k in counts.items()]
+
+
+def _bottleneck_lb(L: int, assigned: Sequence[Any], rest: _Envelope) -> float:
+    """A lower bound on any completion's bottleneck (the max of a stage's forward+backward):
+    the smallest v at which the chosen options plus the best of the rest hold L layers."""
+
+    def held(v: float) -> int:
+        return sum(o.stages * min(o.cap1, math.floor(v / o.layer_s + 1e-9)) for o in assigned)
+
+    if sum(o.stages * o.cap1 for o in assigned) + rest.hs[-1] < L:
+        return math.inf
+    xs = rest.xs
+    lo, hi = 0, len(xs)  # first breakpoint of `rest` at which the total reaches L (len: none)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if held(xs[mid]) + rest.hs[mid] >= L:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == 0:
+        return float(xs[0]) * (1 - 1e-9) if held(xs[0]) + rest.hs[0] >= L else math.inf
+    v, need = float(xs[lo - 1]), L - int(rest.hs[lo - 1])
+    # Between two breakpoints of `rest` only the chosen options' steps change the total.
+    while held(v) < need:
+        step = min(
+            ((math.floor(v / o.layer_s + 1e-9) + 1) * o.layer_s for o in assigned
+             if math.floor(v / o.layer_s + 1e-9) < o.cap1),
+            default=math.inf,
+        )
+        if lo < len(xs) and step >= xs[lo]:
+            v = float(xs[lo])
+            break
+        v = step
+    return v * (1 - 1e-9)  # stay below the split's own rounding
+
+
+def _lower_bound(
+    m: int, L: int, assigned: Sequence[Any], rest: _Envelope, rest_c: float, complete: bool,
+    bound: float = math.inf,
+) -> float:
+    """Iteration time no completion of `assigned` can beat.
+
+    min over bottlenecks V >= V_lb of (m-1)*V + fill(V), where fill(V) is the cheapest way to
+    place the L layers: each chosen option holds between k (one layer per stage) and
+    k*min(cap1, floor(V/c)) layers at c each, the types not chosen yet hold at most rest(V)
+    at their cheapest per-layer cost `rest_c`. Stops early once it cannot go below `bound`.
+    """
+    v = _bottleneck_lb(L, assigned, rest)
+    if v == math.inf:
+        return v
+    base = sum(o.stages * o.layer_s for o in assigned)  # one layer per stage
+    floor_fill = base + (L - sum(o.stages for o in assigned)) * min(
+        [o.layer_s for o in assigned] + ([] if complete else [rest_c])
+    )
+    best = math.inf
+    v0 = v
+    for _ in range(64):
+        if (m - 1) * v + floor_fill >= min(best, bound):
+            # No bottleneck from v on does better, and the ones below v could not place L layers.
+            return min(best, (m - 1) * v + floor_fill)
+        # the cheapest fill under bottleneck v
+        left = L - sum(o.stages for o in assigned)
+        fill = base
+        items = sorted(
+            [(o.layer_s, o.stages * (min(o.cap1, math.floor(v / o.layer_s + 1e-9)) - 1)) for o in assigned]
+            + ([] if complete else [(rest_c, int(rest(v)))])
+        )
+        for c, room in items:
+            take = min(max(room, 0), left)
+            fill += take * c
+            left -= take
+        if left == 0:
+            best = min(best, (m - 1) * v + fill)
+        # next bottleneck at which some capacity grows
+        nxt = min(
+            [(math.floor(v / o.layer_s + 1e-9) + 1) * o.layer_s for o in assigned
+             if math.floor(v / o.layer_s + 1e-9) < o.cap1]
+            + ([] if complete else [float(x) for x in rest.xs[np.searchsorted(rest.xs, v, side="right"):][:1]]),
+            default=math.inf,
+        )
+        if nxt == math.inf:
+            break
+        v = nxt
+    else:
+        return (m - 1) * v0 + floor_fill  # gave up refining: the plain bound
+    return best if best < math.inf else (m - 1) * v0 + floor_fill
+
+
+def _leaf_bound(L: int, m: int, schedule: str, chosen: Sequence[Option], e_first: float, e_last: float) -> float:
+    """Like `_lower_bound` for a complete stage list, with each position's in-flight memory
+    cap and the end stages' embedding/logits time: cheaper than building the leaf."""
+    shapes = [o for o in chosen for _ in range(o.stages)]
+    p = len(shapes)
+    c = np.array([o.layer_s for o in shapes])
+    caps = np.minimum([o.max_layers(cm.in_flight(schedule, i, p, m)) for i, o in enumerate(shapes)], L - p + 1)
+    if caps.min() < 1 or caps.sum() < L:
+        return math.inf
+    e = np.zeros(p)
+    e[0] += e_first
+    e[-1] += e_last
+    values = np.unique(np.concatenate([c[i] * np.arange(1, caps[i] + 1) + e[i] for i in range(p)]))
+    held = lambda v: np.minimum(caps, np.floor((v - e) / c + 1e-9)).clip(min=0).sum()  # noqa: E731
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if held(values[mid]) >= L:
+            hi = mid
+        else:
+            lo = mid + 1
+    if schedule == "gpipe":  # max f + max b >= max (f + b): the same bound holds
+        pass
+    fill = float(c.sum()) + (L - p) * float(c.min()) + e_first + e_last
+    return (m - 1) * float(values[lo]) * (1 - 1e-9) + fill
+
+
+class _TopK:
+    def __init__(self, k: int) -> None:
+        self.k, self.heap, self.counter = k, [], itertools.count()
+
+    @property
+    def bound(self) -> float:
+        return -self.heap[0][0] if len(self.heap) >= self.k else math.inf
+
+    def push(self, cand: Candidate) -> None:
+        item = (-cand.time_s, -next(self.counter), cand)
+        if len(self.heap) < self.k:
+            heapq.heappush(self.heap, item)
+        elif cand.time_s < self.bound:
+            heapq.heapreplace(self.heap, item)
+
+    def sorted(self) -> list[Candidate]:
+        return [c for _, _, c in sorted(self.heap, key=lambda x: (-x[0], -x[1]))]
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _search_fast(
+    ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
+) -> list[Candidate]:
+    L, top = ctx.model.n_layers, _TopK(k)
+    roots = []
+    for b in micro_batches:
+        per_type = ctx.type_options(b, prune_unfit=True)
+        stats.space_size += math.prod(len(o) + 1 for o in per_type) - 1
+        best_speed = [max((o.speed for o in opts), default=0.0) for opts in per_type]
+        envelopes = [_Envelope.of_options(opts, L) for opts in per_type]
+        rest = [_Envelope.zero()]
+        for env in reversed(envelopes):
+            rest.insert(0, rest[0] + env)
+        cheapest = [min((o.layer_s for o in opts), default=math.inf) for opts in per_type]
+        suffix = [(sum(best_speed[i:]), rest[i], min(cheapest[i:], default=math.inf)) for i in range(len(per_type) + 1)]
+        roots.append((_lower_bound(ctx.global_batch // b, L, [], rest[0], suffix[0][2], False), b, per_type, suffix))
+    roots.sort(key=lambda r: r[:2])  # most promising micro-batch first: a good incumbent early
+
+    for root_lb, b, per_type, suffix in roots:
+        if root_lb >= top.bound:
+            continue
+        m = ctx.global_batch // b
+
+        def ends(chosen: list[Option]) -> tuple[float, float]:
+            p = sum(o.stages for o in chosen)
+            first = ctx.terms(b, chosen[0], True, p == 1, 1)
+            last = ctx.terms(b, chosen[-1], p == 1, True, 1)
+            if p == 1:
+                return first.fwd_end + first.bwd_end, 0.0
+            return first.fwd_end + first.bwd_end, last.fwd_end + last.bwd_end
+
+        def visit(t: int, chosen: list[Option], n_stages: int) -> None:
+            if time.perf_counter() > deadline:
+                raise _OutOfTime
+            if t == len(per_type):
+                if not chosen:
+                    return
+                first, last = ends(chosen)
+                if _leaf_bound(L, m, ctx.schedule, chosen, first, last) >= top.bound:
+                    return
+                stats.configs_visited += 1
+                leaf = _leaf(ctx, b, chosen)
+                if leaf is None:
+                    return
+                found = best_split(leaf, L, top.bound, stats)
+                if found is not None:
+                    top.push(Candidate(found[0], b, tuple(chosen), tuple(int(x) for x in found[1])))
+                return
+            speed = sum(o.speed for o in chosen) + suffix[t + 1][0]
+            fill = sum(o.stages * o.layer_s for o in chosen)
+            last = t + 1 == len(per_type)
+            for o in per_type[t]:
+                if n_stages + o.stages > L:
+                    continue
+                if (m - 1) * L / (speed + o.speed) + fill >= top.bound:
+                    break  # options come fastest first: no later one can pass either
+                chosen.append(o)
+                units = _units(chosen, m, ctx.schedule)
+                if _lower_bound(m, L, units, suffix[t + 1][1], suffix[t + 1][2], last, top.bound) < top.bound:
+                    visit(t + 1, chosen, n_stages + o.stages)
+                chosen.pop()
+            units = _units(chosen, m, ctx.schedule)
+            if _lower_bound(m, L, units, suffix[t + 1][1], suffix[t + 1][2], last, top.bound) < top.bound:
+                visit(t + 1, chosen, n_stages)  # this type unused
+
+        try:
+            visit(0, [], 0)
+        except _OutOfTime:
+            stats.proved_optimal = False
+            break
+    return top.sorted()
+
+
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *cuts, total)
+        yield tuple(edges[i + 1] - edges[i] for i in range(parts))
+
+
+def _search_exhaustive(ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats) -> list[Candidate]:
+    """Every stage list and every layer split, no bounds, no pruning: the reference."""
+    L, top = ctx.model.n_layers, _TopK(k)
+    for b in micro_batches:
+        per_type = ctx.type_options(b, prune_unfit=False)
+        for combo in itertools.product(*[[None, *opts] for opts in per_type]):
+            chosen = [o for o in combo if o is not None]
+            p = sum(o.stages for o in chosen)
+            if not chosen or p > L:
+                continue
+            stats.space_size += 1
+            shapes = [o for o in chosen for _ in range(o.stages)]
+            m = ctx.global_batch // b
+            terms = [
+                ctx.terms(b, o, i == 0, i == p - 1, cm.in_flight(ctx.schedule, i, p, m))
+                for i, o in enumerate(shapes)
+            ]
+            leaf = None
+            for layers in _compositions(L, p):
+                if any(t.mem.total_bytes(n) > t.mem.capacity for t, n in zip(terms, layers)):
+                    continue
+                leaf = leaf or _leaf_unchecked(ctx, b, chosen)
+                stats.plans_evaluated += 1
+                value = _objective(leaf, np.array(layers, dtype=np.int64))
+                if value < top.bound:
+                    top.push(Candidate(value, b, tuple(chosen), layers))
+            stats.configs_visited += 1
+    return top.sorted()
+
+
+def _leaf_unchecked(ctx: _Context, b: int, options: Sequence[Option]) -> _Leaf:
+    leaf = _leaf(ctx, b, options)
+    if leaf is not None:
+        return leaf
+    # Some stage's cap is < 1 only if no composition fits, and those were skipped above.
+    raise AssertionError("a composition fitted a stage list whose caps say it cannot")
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def _micro_batches(global_batch: int, requested: Iterable[int] | None) -> list[int]:
+    if requested is None:
+        return divisors(global_batch)
+    requested = sorted(set(int(b) for b in requested))
+    good = [b for b in requested if b >= 1 and global_batch % b == 0]
+    if not good:
+        raise PlannerError(
+            f"global batch {global_batch} is divisible by none of the micro-batch sizes {requested}; "
+            f"choose micro-batch sizes among the divisors of {global_batch}: {divisors(global_batch)}"
+        )
+    return good
+
+
+def make_context(
+    cluster: Cluster,
+    model: ModelConfig | str,
+    seq_len: int,
+    global_batch: int,
+    schedule: str = "1f1b",
+    profile: Profile | None = None,
+    options: cm.CostOptions = cm.CostOptions(),
+    recompute: Sequence[str] = RECOMPUTE_POLICIES,
+) -> _Context:
+    model = get_config(model)
+    if schedule not in SCHEDULES:
+        raise PlannerError(f"schedule {schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlannerError(f"{name} must be a positive integer, got {value!r}")
+    bad = [r for r in recompute if r not in RECOMPUTE_POLICIES]
+    if bad or not recompute:
+        raise PlannerError(f"recompute policies {list(recompute)} invalid; choose from {', '.join(RECOMPUTE_POLICIES)}")
+    if profile is not None:
+        profile.check_matches(model, seq_len)
+    order = [c.name for c in pipeline_order(cluster)]
+    return _Context(
+        model, seq_len, global_batch, schedule, dict(cluster.chips), dict(cluster.counts), order,
+        profile, options, tuple(recompute),
+    )
+
+
+def top_k(
+    cluster: Cluster,
+    model: ModelConfig | str,
+    seq_len: int,
+    global_batch: int,
+    k: int = 1,
+    schedule: str = "1f1b",
+    exhaustive: bool = False,
+    profile: Profile | None = None,
+    micro_batches: Iterable[int] | None = None,
+    recompute: Sequence[str] = RECOMPUTE_POLICIES,
+    options: cm.CostOptions = cm.CostOptions(),
+    time_limit_s: float | None = None,
+) -> tuple[list[Candidate], SearchStats]:
+    """The k fastest stage lists (each with its best layer split), fastest first.
+
+    Exact under the cost model: the fast search and `exhaustive=True` return the same times.
+    With `time_limit_s` the fast search returns the best found when time runs out and
+    `stats.proved_optimal` says it was stopped.
+    """
+    if k < 1:
+        raise PlannerError(f"k must be >= 1, got {k}")
+    ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute)
+    mbs = _micro_batches(global_batch, micro_batches)
+    stats = SearchStats()
+    t0 = time.perf_counter()
+    if exhaustive:
+        found = _search_exhaustive(ctx, mbs, k, stats)
+    else:
+        deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
+        found = _search_fast(ctx, mbs, k, stats, deadline)
+    stats.search_time_s = time.perf_counter() - t0
+    if not found:
+        raise PlannerError(explain_unfit(ctx, mbs))
+    return found, stats
+
+
+def explain_unfit(ctx: _Context, micro_batches: Sequence[int]) -> str:
+    """Why nothing fits: per chip type, the most layers a stage holds in the most lenient shape."""
+    model, L, b = ctx.model, ctx.model.n_layers, min(micro_batches)
+    name = preset_name(model) or "the model"
+    lines, total = [], 0
+    for chip_name in ctx.order:
+        chip, count = ctx.chips[chip_name], ctx.counts[chip_name]
+        t = max(x for x in tensor_sizes(model, chip) if x <= count)
+        d = max(x for x in divisors(b) if x * t <= count)
+        probe = Option(chip_name, 1, d, t, "full", 0.0)
+        mem = ctx.terms(b, probe, False, False, 1).mem
+        fits = max(mem.max_layers(), 0)
+        per_layer = (mem.layer_static + mem.layer_activation) / GIB
+        room = (mem.capacity - mem.reserve - mem.working) / GIB
+        stages = count // (d * t)
+        total += fits * min(stages, L)
+        lines.append(
+            f"{chip_name}: a stage with recompute=full, tensor={t}, data={d}, micro-batch {b} and one "
+            f"micro-batch in flight holds at most {fits} layer(s) ({per_layer:.2f} GiB per layer, "
+            f"{room:.2f} GiB usable per chip); {stages} such stage(s) fit in {count} chips"
+        )
+    return (
+        f"no plan fits: {name} ({L} layers, seq_len {ctx.seq_len}) does not fit on this cluster even "
+        f"with full recomputation and the largest tensor size; the cluster holds at most about {total} "
+        f"of {L} layers. Per chip type: " + "; ".join(lines)
+        + ". Add chips, shorten --seq-len, or choose a smaller model."
+    )
+
+
+def candidate_plan(
+    cand: Candidate,
+    model: ModelConfig,
+    seq_len: int,
+    global_batch: int,
+    schedule: str,
+    optimizer: Optimizer = Optimizer(),
+) -> Plan:
+    return Plan(
+        model=model,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        micro_batch=cand.micro_batch,
+        stages=tuple(cand.stages()),
+        schedule=schedule,
+        optimizer=optimizer,
+        model_name=preset_name(model),
+    )

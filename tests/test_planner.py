@@ -1,0 +1,256 @@
+"""Cost model and memory model: exact numbers against hand-derived formulas, plus the public API."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from h2jax.cluster import ChipType, ChipGroup, Cluster, Precision, load_chip
+from h2jax.config import PRESETS, ConfigError
+from h2jax.plan import Mesh, Plan, Stage, plan_from_dict, save_plan, load_plan
+from h2jax.planner import (
+    PlannerError, Profile, ProfileEntry, StageCost, iteration_time, load_profile, plan_cluster,
+    save_profile, stage_costs, top_k,
+)
+from h2jax.planner import cost_model as cm
+from h2jax.planner import memory_model as mm
+
+TINY = PRESETS["tiny"]
+
+
+def chip(name="x", memory=1.0, peak=1.0, per_node=4, intra=100.0, inter=10.0, dtype="float32"):
+    return ChipType(name, "cpu", memory, peak, per_node, intra, inter, "test figures",
+                    precision=Precision(dtype, dtype))
+
+
+def cost(f, b, send=0.0, dp=0.0, opt=0.0, lat=0.0):
+    return StageCost(f, b, b / 2, send, 0, dp, opt, 0, 0, lat)
+
+
+# ----------------------------------------------------------------------------- iteration time
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p, m", [(1, 1), (4, 8), (3, 17)])
+def test_uniform_stages_without_communication_take_m_plus_p_minus_1_slots(schedule, p, m):
+    f, b = 0.013, 0.029
+    assert iteration_time([cost(f, b)] * p, m, schedule) == pytest.approx((m + p - 1) * (f + b), rel=1e-12)
+
+
+def test_heterogeneous_1f1b_bottleneck_sets_steady_state_fill_pays_every_stage():
+    costs = [cost(1.0, 2.0, send=0.5, dp=0.3, opt=0.1, lat=0.01), cost(2.0, 4.0, dp=0.2, opt=0.05)]
+    m = 5
+    expected = (3 + 6) + 2 * (0.5 + 0.01) + (m - 1) * 6 + 0.4
+    assert iteration_time(costs, m, "1f1b") == pytest.approx(expected, rel=1e-12)
+    # GPipe: forward and backward bottlenecks separately.
+    expected = (1 + 2) + (2 + 4) + 2 * 0.51 + (m - 1) * (2 + 4) + 0.4
+    assert iteration_time(costs, m, "gpipe") == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_slow_link_becomes_the_bottleneck():
+    costs = [cost(1.0, 1.0, send=3.0), cost(1.0, 1.0)]
+    assert iteration_time(costs, 10, "1f1b") == pytest.approx(4.0 + 6.0 + 9 * 3.0, rel=1e-12)
+
+
+def test_iteration_time_rejects_bad_input():
+    with pytest.raises(ConfigError, match="schedule 'zb' is unknown"):
+        iteration_time([cost(1, 1)], 2, "zb")
+    with pytest.raises(ConfigError, match="n_micro must be >= 1"):
+        iteration_time([cost(1, 1)], 0)
+
+
+# ----------------------------------------------------------------------------- per-layer costs
+
+
+def test_layer_time_is_flops_over_peak_times_efficiency():
+    c = chip(peak=2.0)
+    b, s = 2, 32
+    t = cm.stage_terms(TINY, s, b, c, 1, 1, "none", False, False, 1)
+    p_mm = 64 * 4 * 16 * 2 + 2 * 64 * 2 * 16 + 3 * 64 * 128  # q+o, k+v, MLP
+    assert cm.matmul_params(TINY) == p_mm
+    n = b * s
+    flops = n * (2 * p_mm + 4 * s * 4 * 16)
+    rate = 2e12 * 0.75 * n / (n + 256) * 64 / (64 + 256)
+    assert t.fwd_layer == pytest.approx(flops / rate, rel=1e-12)
+    assert t.bwd_layer == pytest.approx(2 * flops / rate, rel=1e-12)
+    assert t.bwd_weight_layer == pytest.approx(n * 2 * p_mm / rate, rel=1e-12)
+    full = cm.stage_terms(TINY, s, b, c, 1, 1, "full", False, False, 1)
+    assert full.bwd_layer == pytest.approx(3 * flops / rate, rel=1e-12)
+    sel = cm.stage_terms(TINY, s, b, c, 1, 1, "selective", False, False, 1)
+    assert sel.bwd_layer == pytest.approx((2 * flops + n * 4 * s * 64) / rate, rel=1e-12)
+
+
+def test_tensor_parallel_pays_ring_all_reduces_on_the_right_link():
+    c = chip(per_node=2, intra=100.0, inter=10.0)
+    b, s = 4, 16
+    t1 = cm.stage_terms(TINY, s, b, c, 1, 1, "none", False, False, 1)
+    t2 = cm.stage_terms(TINY, s, b, c, 1, 2, "none", False, False, 1)
+    n = b * s
+    ar = 2 * 1 / 2 * n * 64 * 4 / 100e9 + 2 * cm.ALPHA_S
+    rate1 = 1e12 * cm.efficiency(n, 64)
+    rate2 = 1e12 * cm.efficiency(n, 32)
+    assert t2.fwd_layer == pytest.approx(t1.fwd_layer * rate1 / rate2 / 2 + 2 * ar, rel=1e-12)
+    assert t2.bwd_layer == pytest.approx(t1.bwd_layer * rate1 / rate2 / 2 + 2 * ar, rel=1e-12)
+    # tensor beyond a node pays the inter-node bandwidth
+    c1 = dataclasses.replace(c, chips_per_node=1)
+    t2x = cm.stage_terms(TINY, s, b, c1, 1, 2, "none", False, False, 1)
+    ar_x = 2 * 1 / 2 * n * 64 * 4 / 10e9 + 2 * cm.ALPHA_S
+    assert t2x.fwd_layer - t2.fwd_layer == pytest.approx(2 * (ar_x - ar), rel=1e-9)
+
+
+def test_send_moves_one_activation_split_over_the_receivers_ranks():
+    fast, slow = chip("a", inter=50.0), chip("b", inter=10.0)
+    b, s = 8, 32
+    nbytes = b * s * 64 * 4
+    sec, sent = cm.send_terms(TINY, s, b, fast, 2, 2, slow, 1, 1)
+    assert sent == nbytes  # the micro-batch activation once, not once per receiving rank
+    assert sec == pytest.approx(nbytes / 10e9, rel=1e-12)  # limited by the single receiver
+    sec4, sent4 = cm.send_terms(TINY, s, b, fast, 2, 2, slow, 2, 2)
+    assert sent4 == nbytes and sec4 == pytest.approx(nbytes / (4 * 10e9), rel=1e-12)
+    sec_tx, _ = cm.send_terms(TINY, s, b, slow, 1, 1, fast, 4, 2)
+    assert sec_tx == pytest.approx(nbytes / 10e9, rel=1e-12)  # limited by the single sender
+
+
+# ----------------------------------------------------------------------------- memory model
+
+
+def test_activation_memory_follows_the_adapted_korthikanti_formula():
+    m = PRESETS["llama-7b"]
+    s, n, a = 4096, 4096, 2
+    d, h, F = 4096, 32, 11008
+    none = mm.layer_activation_bytes(m, s, n, 1, "none", a)
+    assert none == n * a * (4 * d + (3 * d + d + 3 * F + h * s))
+    sel = mm.layer_activation_bytes(m, s, n, 2, "selective", a)
+    assert sel == n * a * (4 * d + (3 * d + d + 3 * F) / 2)
+    assert mm.layer_activation_bytes(m, s, n, 8, "full", a) == n * a * d
+    # the softmax term dominates at long sequence: selective saves most of it
+    assert none > 4 * sel
+
+
+def test_memory_terms_count_params_grads_optimizer_and_in_flight():
+    c = chip(memory=2.0)
+    t = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", True, True, 3, shard_optimizer=True)
+    per_param = 4 + 4 + 8 / 2
+    assert t.layer_static == TINY.layer_param_count() / 2 * per_param
+    assert t.params_end == (2 * 256 * 64 + 64) / 2 * per_param
+    act = mm.layer_activation_bytes(TINY, 16, 4 / 2 * 16, 2, "none", 4)
+    assert t.layer_activation == act
+    logits = (4 / 2 * 16) * 256 / 2 * 4 * 2
+    assert t.working == logits
+    assert t.reserve == 0.1 * 2 * 1024**3
+    assert t.total_bytes(3) == pytest.approx((t.layer_static + 3 * act) * 3 + t.params_end + logits + t.reserve)
+    unsharded = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", False, False, 3, shard_optimizer=False)
+    assert unsharded.layer_static == TINY.layer_param_count() / 2 * 16
+
+
+def test_in_flight_is_p_minus_i_for_1f1b_and_m_for_gpipe():
+    assert [cm.in_flight("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
+    assert [cm.in_flight("1f1b", i, 4, 2) for i in range(4)] == [2, 2, 2, 1]
+    assert [cm.in_flight("gpipe", i, 4, 8) for i in range(4)] == [8] * 4
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def small_cluster():
+    return Cluster((
+        ChipGroup(dataclasses.replace(load_chip("cpu"), name="cpu", memory_gib=0.02), 6),
+    ), name="one-type")
+
+
+def test_planned_plan_round_trips_and_its_costs_reproduce_the_prediction(tmp_path):
+    cluster = Cluster((ChipGroup(load_chip("cpu"), 8),), name="cpus")
+    result = plan_cluster(cluster, "small", 64, 16)
+    plan = result.plan
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    again = load_plan(path)
+    assert again.stages == plan.stages and again.micro_batch == plan.micro_batch
+    t = iteration_time(stage_costs(again, cluster), again.n_micro, again.schedule)
+    assert t == pytest.approx(plan.predicted["iteration_time_s"], rel=1e-12)
+    assert plan.predicted["tokens_per_s"] == pytest.approx(16 * 64 / t, rel=1e-12)
+    # mapping chip-name -> ChipType works the same as a Cluster
+    t2 = iteration_time(stage_costs(again, {"cpu": load_chip("cpu")}), again.n_micro, "1f1b")
+    assert t2 == t
+    assert all(mem <= cap for mem, cap in zip(plan.predicted["memory_gib"], plan.predicted["memory_capacity_gib"]))
+    json.dumps(plan.to_dict())  # predicted is plain JSON
+
+
+def test_homogeneous_cluster_ratio_is_one():
+    cluster = Cluster((ChipGroup(load_chip("cpu"), 8),), name="cpus")
+    result = plan_cluster(cluster, "tiny", 32, 8)
+    assert result.hetero_speedup_ratio == pytest.approx(1.0, rel=1e-12)
+
+
+def test_top_k_is_sorted_and_starts_with_the_plan():
+    cluster = Cluster((ChipGroup(load_chip("cpu"), 4), ChipGroup(dataclasses.replace(load_chip("cpu"), name="cpu2", peak_tflops=0.2, memory_gib=8.0), 4)))
+    cands, stats = top_k(cluster, "tiny", 32, 8, k=5)
+    times = [c.time_s for c in cands]
+    assert len(cands) == 5 and times == sorted(times)
+    exact, _ = top_k(cluster, "tiny", 32, 8, k=5, exhaustive=True)
+    assert [c.time_s for c in exact] == pytest.approx(times, rel=1e-9)
+
+
+def test_model_that_cannot_fit_names_the_constraint():
+    tiny_mem = dataclasses.replace(load_chip("cpu"), memory_gib=0.001)
+    cluster = Cluster((ChipGroup(tiny_mem, 2),), name="toy")
+    with pytest.raises(PlannerError, match=r"no plan fits: small \(8 layers.*cpu: a stage with recompute=full, tensor=2, data=1.*holds at most 0 layer"):
+        plan_cluster(cluster, "small", 64, 8)
+
+
+def test_micro_batches_that_divide_nothing_are_rejected():
+    cluster = Cluster((ChipGroup(load_chip("cpu"), 2),))
+    with pytest.raises(PlannerError, match=r"divisible by none of the micro-batch sizes \[3, 5\]"):
+        top_k(cluster, "tiny", 32, 8, micro_batches=[3, 5])
+
+
+def test_unknown_stage_chip_in_stage_costs():
+    cluster = Cluster((ChipGroup(load_chip("cpu"), 2),))
+    plan = Plan(TINY, 16, 2, 1, (Stage("nvidia-h100", Mesh(), (0, 4)),))
+    with pytest.raises(ConfigError, match="stages\\[0\\].chip 'nvidia-h100' is not in the cluster; it has cpu"):
+        stage_costs(plan, cluster)
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def test_profile_replaces_analytical_layer_times(tmp_path):
+    c = chip("cpu")
+    prof = Profile(TINY, 32, {"cpu": (
+        ProfileEntry(1, 64, 0.010, 0.020), ProfileEntry(1, 128, 0.018, 0.036, activation_bytes=1000),
+        ProfileEntry(1, 128, 0.018, 0.050, recompute="full"),
+    )}, source="test", model_name="tiny")
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    prof = load_profile(path)
+    t = cm.stage_terms(TINY, 32, 2, c, 1, 1, "none", False, False, 1, prof)
+    assert (t.fwd_layer, t.bwd_layer) == (0.010, 0.020)
+    mid = cm.stage_terms(TINY, 32, 3, c, 1, 1, "none", False, False, 1, prof)  # 96 tokens: halfway
+    assert mid.fwd_layer == pytest.approx(0.014) and mid.bwd_layer == pytest.approx(0.028)
+    big = cm.stage_terms(TINY, 32, 8, c, 1, 1, "none", False, False, 1, prof)  # 256 tokens: scaled
+    assert big.fwd_layer == pytest.approx(0.036)
+    full = cm.stage_terms(TINY, 32, 4, c, 1, 1, "full", False, False, 1, prof)
+    assert full.bwd_layer == 0.050  # measured with the policy
+    sel = cm.stage_terms(TINY, 32, 4, c, 1, 1, "selective", False, False, 1, prof)
+    share = 4 * 32 * 64 / (2 * cm.matmul_params(TINY) + 4 * 32 * 64)
+    assert sel.bwd_layer == pytest.approx(0.036 + 0.018 * share)  # "none" + analytical recompute
+    assert cm.stage_terms(TINY, 32, 4, c, 1, 1, "none", False, False, 1, prof).mem.layer_activation == 1000
+    # a tensor size the profile lacks falls back to the analytical model
+    t2 = cm.stage_terms(TINY, 32, 2, c, 1, 2, "none", False, False, 1, prof)
+    assert t2.fwd_layer != 0.010
+
+
+def test_profile_for_another_model_is_refused(tmp_path):
+    prof = Profile(TINY, 32, {"cpu": (ProfileEntry(1, 64, 0.01, 0.02),)}, model_name="tiny")
+    cluster = Cluster((ChipGroup(load_chip("cpu"), 2),))
+    with pytest.raises(ConfigError, match="re-run `h2jax profile`"):
+        top_k(cluster, "small", 32, 4, profile=prof)
+
+
+def test_bad_profile_entry_names_the_field(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"format_version": 1, "model": "tiny", "seq_len": 8,
+                                "chips": {"cpu": [{"tensor": 1, "tokens": 8, "forward_s": -1, "backward_s": 1}]}}))
+    with pytest.raises(ConfigError, match=r"profile.chips\['cpu'\]\[0\].forward_s must be a positive"):
+        load_profile(path)
