@@ -67,7 +67,7 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> dict:
 
 
 def shape_tree(state: nnx.State) -> dict:
-    return _pure(state, lambda v: jax.ShapeDtypeStruct(v.value.shape, v.value.dtype))
+    return _pure(state, lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype))
 
 
 def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
