@@ -7,6 +7,11 @@
    planner's cost model, the simulated one, and their difference, for 1F1B, plus what GPipe
    and ZB-H1 would do with the same stages.
 
+If the planner's search takes longer than --search-timeout seconds, the benchmark falls back
+to a hand-built plan for that cluster (every chip group cut into stages of data=4 x tensor=8,
+layers in proportion to peak FLOP/s) and says so in the output ("plan_source"): the
+simulator's speed depends on the stage and micro-batch counts, not on the layer split.
+
 Usage: python benchmarks/simulator.py [--model llama-100b] [--seq-len 4096] [--tokens 4M]
 """
 
@@ -19,8 +24,13 @@ import statistics
 import time
 from pathlib import Path
 
-from h2jax.cluster import load_cluster
+import signal
+
+from h2jax.cluster import Cluster, load_cluster
+from h2jax.config import get_config
+from h2jax.plan import Mesh, Plan, Stage
 from h2jax.planner import cost_model, plan_cluster
+from h2jax.planner.search import pipeline_order
 from h2jax.sim import simulate_plan
 from h2jax.speedup import parse_tokens, sequences
 
@@ -39,12 +49,55 @@ def timed(fn, repeat: int = 3) -> tuple[float, object]:
     return statistics.median(walls), statistics.median(cpus), out
 
 
+class _SearchTimeout(Exception):
+    pass
+
+
+def planned(cluster: Cluster, model: str, seq_len: int, batch: int, timeout_s: int) -> tuple[Plan, str]:
+    """The planner's best plan, or a labelled hand-built one if the search overruns."""
+    def alarm(signum, frame):
+        raise _SearchTimeout
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(timeout_s)
+    try:
+        return plan_cluster(cluster, model, seq_len, batch, baselines=False).plan, "planner"
+    except _SearchTimeout:
+        return hand_built(cluster, model, seq_len, batch), f"hand-built (search > {timeout_s} s)"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def hand_built(cluster: Cluster, model: str, seq_len: int, batch: int, data: int = 4, tensor: int = 8) -> Plan:
+    config = get_config(model)
+    shapes = [c for c in pipeline_order(cluster) for _ in range(cluster.counts[c.name] // (data * tensor))]
+    weights = [c.peak_tflops for c in shapes]
+    share = [config.n_layers * w / sum(weights) for w in weights]
+    layers = [max(1, int(x)) for x in share]
+    extra = config.n_layers - sum(layers)
+    if extra < 0 or not shapes:
+        raise ValueError(f"{cluster.name}: {len(shapes)} stages of {data}x{tensor} chips do not suit "
+                         f"{config.n_layers} layers")
+    by_remainder = sorted(range(len(shapes)), key=lambda i: share[i] - int(share[i]), reverse=True)
+    for i in by_remainder[:extra]:
+        layers[i] += 1
+    stages, start = [], 0
+    for chip, n in zip(shapes, layers):
+        stages.append(Stage(chip=chip.name, mesh=Mesh(data, tensor), layers=(start, start + n)))
+        start += n
+    return Plan(model=config, seq_len=seq_len, global_batch=batch, micro_batch=data,
+                stages=tuple(stages), model_name=model)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama-100b")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--tokens", default="4M", help="global batch of the planned runs")
     ap.add_argument("--micro-batches", type=int, default=1000)
+    ap.add_argument("--search-timeout", type=int, default=120,
+                    help="seconds the planner may search one cluster before the hand-built fallback")
     args = ap.parse_args()
     batch = sequences(parse_tokens(args.tokens), args.seq_len)
 
@@ -54,11 +107,11 @@ def main() -> None:
     for n in CLUSTERS:
         cluster = load_cluster(ROOT / "plans" / f"cluster-{n}.toml")
         t0 = time.perf_counter()
-        plan = plan_cluster(cluster, args.model, args.seq_len, batch, baselines=False).plan
+        plan, source = planned(cluster, args.model, args.seq_len, batch, args.search_timeout)
         plan_s = time.perf_counter() - t0
         costs = cost_model.stage_costs(plan, cluster)
         plans[n] = (plan, cluster, costs)
-        row = {"chips": cluster.n_chips, "chips_used": plan.n_devices, "stages": plan.n_stages,
+        row = {"plan_source": source, "chips": cluster.n_chips, "chips_used": plan.n_devices, "stages": plan.n_stages,
                "n_micro": plan.n_micro, "plan_search_s": plan_s}
         for name in ("1f1b", "gpipe", "zb-h1"):
             sim = simulate_plan(plan, costs, schedule=name)
@@ -78,6 +131,7 @@ def main() -> None:
     closed = cost_model.iteration_time(big_costs, big.n_micro, "1f1b")
     zb_wall, zb_cpu, zb = timed(lambda: simulate_plan(big, big_costs, schedule="zb-h1"), repeat=1)
     out["simulate_2432_chips"] = {
+        "plan_source": out["plans"]["2432"]["plan_source"],
         "stages": big.n_stages,
         "n_micro": big.n_micro,
         # F and B per micro-batch, plus a send and a receive each way across inner links

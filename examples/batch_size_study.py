@@ -43,9 +43,9 @@ def rate(run) -> float:
     return 0.0 if run.simulated_s is None else run.global_batch_tokens / run.simulated_s
 
 
-def study(model: str, seq_len: int) -> list[dict]:
+def study(model: str, seq_len: int, clusters=CLUSTERS) -> list[dict]:
     rows = []
-    for n in CLUSTERS:
+    for n in clusters:
         cluster = load_cluster(ROOT / "plans" / f"cluster-{n}.toml")
         cache: dict = {}
         for m in BATCHES_M:
@@ -139,10 +139,12 @@ def main() -> None:
     ap.add_argument("--model", default="llama-100b")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--out", default=str(ROOT / "examples" / "out"))
+    ap.add_argument("--clusters", type=int, nargs="+", default=list(CLUSTERS),
+                    help="plans/cluster-N.toml sizes (default: the paper-scale 768 1024 2432)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = study(args.model, args.seq_len)
+    rows = study(args.model, args.seq_len, args.clusters)
     write_table(rows, out, args.model, args.seq_len)
     plot(rows, out, args.model)
     print((out / "batch_size_study.md").read_text())
