@@ -6,6 +6,7 @@ usage: mpiexec -n K python train_plans.py OUT STEPS PATH PLAN [PLAN ...]
 """
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -16,6 +17,11 @@ from h2jax.transport import mpi
 out, steps, path, plan_files = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 plans = [load_plan(p) for p in plan_files]
 role = mpi.configure_process_for_plan(plans[0])  # before JAX starts
+if os.environ.get("H2JAX_TEST_JAX_CACHE"):  # the test session's persistent compilation cache
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["H2JAX_TEST_JAX_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 from mpi4py import MPI  # noqa: E402
 
