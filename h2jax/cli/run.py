@@ -25,15 +25,18 @@ def main(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # validates before JAX starts
     if args.steps < 1:
         raise SystemExit("h2jax run: error: --steps must be >= 1")
-    force_cpu_devices(plan.n_devices)
+    from h2jax.transport.mpi import runner_for_process
 
+    # Under mpiexec this configures the rank for its own stage only; else forces CPU devices.
+    run, reports = runner_for_process(plan, force_cpu_devices)
     from h2jax.data import TokenDataset
-    from h2jax.runtime.train import run
 
     dataset = TokenDataset(args.data, plan.seq_len, plan.seed) if args.data else None
     n_chips = 1 if args.unpipelined else plan.n_devices
-    with training_progress(args.steps, plan.tokens_per_step, n_chips, enabled=not args.json) as on_step:
+    with training_progress(args.steps, plan.tokens_per_step, n_chips, enabled=not args.json and reports) as on_step:
         result = run(plan, args.steps, dataset=dataset, unpipelined=args.unpipelined, on_step=on_step)
+    if not reports:  # another MPI rank prints
+        return 0
     if args.json:
         print(json.dumps(result.summary()))
     else:
