@@ -206,3 +206,23 @@ def test_receive_buffers_are_reused_only_once_jax_has_let_go():
         gc.collect()
         buf = pool.take((256,), np.float32)
         assert buf.ctypes.data == ptr  # free again: reused, warm
+
+
+@pytest.mark.mpi
+def test_h2jax_run_refuses_a_process_count_the_plan_does_not_expect(tmp_path):
+    from h2jax.plan import plan_from_dict, save_plan
+
+    plan = plan_from_dict({
+        "format_version": 1, "model": "tiny", "seq_len": 16, "global_batch": 4, "micro_batch": 2,
+        "stages": [{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [0, 2]},
+                   {"chip": "cpu", "mesh": {"data": 1, "tensor": 2}, "layers": [2, 4], "processes": 2}],
+    })
+    save_plan(plan, tmp_path / "plan.json")
+    h2jax = Path(sys.executable).parent / "h2jax"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([MPIEXEC, "-n", "2", str(h2jax), "run", "--plan", str(tmp_path / "plan.json")],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    out = proc.stdout + proc.stderr
+    assert out.count("mpiexec started 2 process(es) but the plan's stages need 3 (stages[i].processes: 1 + 2); "
+                     "launch with `mpiexec -n 3`") == 1, out

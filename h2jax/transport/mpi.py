@@ -102,7 +102,12 @@ def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) 
     from h2jax.transport import multihost
 
     comm = init_mpi(startup_timeout_s)
-    role = role_for_rank(multihost.plan_processes(plan), comm.rank, comm.size)
+    try:
+        role = role_for_rank(multihost.plan_processes(plan), comm.rank, comm.size)
+    except ConfigError:
+        if comm.rank == 0:  # every rank finds the same mismatch; one says so
+            raise
+        sys.exit(2)
     install_abort_on_error(comm, label=f"rank {role.rank} (stage {role.stage})")
     startup_barrier(comm, startup_timeout_s, describe=lambda r: _describe_rank(role, r))
     stage = plan.stages[role.stage]
@@ -302,7 +307,10 @@ def _flat_offset(index: reshard.Index, shape: Sequence[int]) -> int:
 class _Region:
     """A piece of a buffer (host array, or device array on the direct path) as an MPI message,
     counted in bytes so any dtype (bfloat16 included) goes as is: a (count, displacement) run
-    when the piece is contiguous, else an MPI subarray datatype. Never a packing copy in Python."""
+    when the piece is contiguous, else an MPI subarray datatype. A strided piece of a host
+    buffer can instead be `pack`ed by numpy into one contiguous message: MPICH's own packing of
+    subarray datatypes on the send side measured 5-10x slower than a numpy copy
+    (benchmarks/reshard.py); on the receive side its unpacking is fast and saves a copy."""
 
     def __init__(self, index: reshard.Index, shape: Sequence[int], dtype):
         from mpi4py import MPI
@@ -313,6 +321,7 @@ class _Region:
         self.whole = self.count == int(np.prod(shape, dtype=np.int64))
         self.contiguous = _is_contiguous(index, shape)
         self.offset = _flat_offset(index, shape) * itemsize
+        self.index = index
         self.datatype = None
         if not self.contiguous:
             self.datatype = MPI.BYTE.Create_subarray(
@@ -327,6 +336,10 @@ class _Region:
         if self.contiguous:
             return [buf, (self.nbytes, self.offset), MPI.BYTE]
         return [buf, 1, self.datatype]
+
+    def pack(self, buf: np.ndarray) -> np.ndarray:
+        """The piece as a contiguous copy (one memcpy at memory bandwidth)."""
+        return np.ascontiguousarray(buf[self.index])
 
     def free(self) -> None:
         if self.datatype is not None:
@@ -431,7 +444,7 @@ class MPITransport(Transport):
         self._pool = _BufferPool()
         self._posted: dict[Tag, tuple[list, dict[int, np.ndarray]]] = {}
         self.stats = {"sends": 0, "recvs": 0, "bytes_sent": 0, "bytes_received": 0,
-                      "send_buffers_zero_copy": 0, "send_buffers_copied": 0,
+                      "send_buffers_zero_copy": 0, "send_buffers_copied": 0, "send_pieces_packed": 0,
                       "recv_buffers_adopted": 0, "recv_buffers_copied": 0}
 
     # -- set-up
@@ -533,16 +546,24 @@ class MPITransport(Transport):
         code = self._tag(tag)
         by_device = {s.device: s.data for s in value.addressable_shards}
         buffers: dict[int, np.ndarray] = {}
+        packed: list[np.ndarray] = []
         requests = []
         for src_pos, peer, region in route.sends:
             if src_pos not in buffers:
                 device = self._devices[src_pos]
                 buffers[src_pos] = self._host_buffer(by_device[device], device)
-            requests.append(self.comm.Isend(region.message(buffers[src_pos]), dest=peer, tag=code))
+            buf = buffers[src_pos]
+            if not region.contiguous and isinstance(buf, np.ndarray):
+                packed.append(region.pack(buf))
+                message = [packed[-1], region.nbytes, self._MPI.BYTE]
+                self.stats["send_pieces_packed"] += 1
+            else:
+                message = region.message(buf)
+            requests.append(self.comm.Isend(message, dest=peer, tag=code))
         self.stats["sends"] += 1
         self.stats["bytes_sent"] += route.nbytes_sent
         # The value and its views stay referenced until MPI is done with them.
-        self._inflight.append((requests, value, list(buffers.values())))
+        self._inflight.append((requests, value, list(buffers.values()) + packed))
 
     def _progress(self, block: bool = False) -> None:
         """Start the Isends of queued values that are computed (all of them if `block`), and
@@ -709,17 +730,39 @@ def gather_stage_params(params: dict) -> dict:
     return {k: np.asarray(v) for k, v in params.items()}
 
 
+def runner_for_process(plan, local_setup):
+    """(run function, whether this process reports progress) for `h2jax run`.
+
+    Under mpiexec: configure this rank for its stage now (before JAX starts) and return
+    `run_mpi`; only rank 0 reports. Otherwise call `local_setup(plan.n_devices)` (e.g. force
+    that many CPU devices) and return the single-process `h2jax.runtime.train.run`."""
+    if mpi_world_size() > 1:
+        role = process_role(plan)
+        return run_mpi, role.rank == 0
+    local_setup(plan.n_devices)
+    from h2jax.runtime.train import run
+
+    return run, True
+
+
 def run_mpi(plan, steps: int = 10, *, dataset=None, on_step=None, return_params: bool = False,
-            path: str = "auto", transport: "MPITransport | None" = None):
+            path: str = "auto", transport: "MPITransport | None" = None, unpipelined: bool = False):
     """`h2jax.runtime.train.run` for a process of an `mpiexec` job: configures the process
     for its stage (if not done yet), builds only that stage, and trains it with the other
     ranks through an MPITransport. Returns a RunResult (losses are known on every rank;
     `params` holds this process's stage)."""
+    if unpipelined:
+        raise ConfigError("--unpipelined runs the whole model in one process; launch it without mpiexec")
+    role = process_role(plan)
+    with abort_on_failure(label=f"rank {role.rank} (stage {role.stage})"):
+        return _run_stage(plan, role, steps, dataset, on_step, return_params, path, transport)
+
+
+def _run_stage(plan, role, steps, dataset, on_step, return_params, path, transport):
     from h2jax.runtime.train import RunResult, Trainer, default_dataset, train
     from h2jax.sharding import flatten_params
     from h2jax.transport.multihost import stage_mesh_devices
 
-    role = process_role(plan)
     transport = transport or MPITransport(plan, path=path, barrier=False)
     stage = plan.stages[role.stage]
     devices = list(stage_mesh_devices(stage.mesh.data, stage.mesh.tensor).reshape(-1))
