@@ -99,9 +99,9 @@ def test_world_size_comes_from_the_launcher_environment(monkeypatch):
 # ----------------------------------------------------------------------------- under mpiexec
 
 
-def _toy(meshes, processes, schedules, path):
+def _toy(meshes, processes, schedules, path, dtype="float32"):
     n = sum(int(p) for p in processes.split(","))
-    proc, _ = mpiexec(n, "toy_pipeline.py", meshes, processes, schedules, path)
+    proc, _ = mpiexec(n, "toy_pipeline.py", meshes, processes, schedules, path, dtype)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("TOY-OK "))
     return json.loads(line[len("TOY-OK "):])
@@ -123,6 +123,17 @@ def test_two_stages_differing_meshes_zero_copy_both_ways():
         assert r["bytes_received"] == r["recvs"] * shape_bytes
         assert r["send_buffers_copied"] == 0 and r["recv_buffers_copied"] == 0
         assert r["recv_buffers_adopted"] == r["recvs"] * (2 if r["stage"] == 0 else 2)
+
+
+@pytest.mark.mpi
+def test_bfloat16_activations_cross_without_copies():
+    # DLPack carries no bfloat16: sends go out through the buffer's address instead, and
+    # receives are adopted by an aliasing device_put.
+    reports = _toy("1x2,2x1", "1,1", "gpipe", "auto", "bfloat16")
+    for r in reports:
+        assert r["checked"] == _expected_checks(r["stage"], 2, schedules=1)
+        assert r["bytes_received"] == r["recvs"] * 8 * 4 * 16 * 2
+        assert r["send_buffers_copied"] == 0 and r["recv_buffers_copied"] == 0
 
 
 @pytest.mark.mpi
@@ -226,3 +237,17 @@ def test_h2jax_run_refuses_a_process_count_the_plan_does_not_expect(tmp_path):
     out = proc.stdout + proc.stderr
     assert out.count("mpiexec started 2 process(es) but the plan's stages need 3 (stages[i].processes: 1 + 2); "
                      "launch with `mpiexec -n 3`") == 1, out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_views_of_jax_buffers_are_zero_copy_for_every_dtype(dtype):
+    import jax
+    import jax.numpy as jnp
+
+    from h2jax.transport.mpi import _host_view
+
+    x = jax.device_put(jnp.arange(24, dtype=dtype).reshape(2, 3, 4), jax.devices()[1])
+    view = _host_view(x)
+    assert view.ctypes.data == x.unsafe_buffer_pointer() and view.shape == x.shape
+    assert view.dtype.itemsize == x.dtype.itemsize
+    np.testing.assert_array_equal(view.view(x.dtype).astype(np.float32), np.arange(24).reshape(2, 3, 4))

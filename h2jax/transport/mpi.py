@@ -533,7 +533,7 @@ class MPITransport(Transport):
         if self.path == "direct":
             if device.platform == "cpu":
                 self.stats["send_buffers_zero_copy"] += 1
-                return np.from_dlpack(shard_data)
+                return _host_view(shard_data)
             self.stats["send_buffers_zero_copy"] += 1
             return shard_data  # a device buffer: mpi4py reads it through DLPack
         self.stats["send_buffers_copied"] += 1
@@ -659,7 +659,8 @@ class MPITransport(Transport):
             return array
         try:
             array = jax.dlpack.from_dlpack(host, device=device, copy=False)
-        except (ValueError, RuntimeError):  # e.g. not the first CPU device: let PJRT alias it
+        except (ValueError, RuntimeError, BufferError, TypeError):  # not the first CPU device,
+            # or a dtype DLPack lacks (bfloat16): let PJRT alias the aligned buffer instead
             array = jax.device_put(host, device, may_alias=True)
         adopted = array.unsafe_buffer_pointer() == host.ctypes.data
         self.stats["recv_buffers_adopted" if adopted else "recv_buffers_copied"] += 1
@@ -746,11 +747,13 @@ def runner_for_process(plan, local_setup):
 
 
 def run_mpi(plan, steps: int = 10, *, dataset=None, on_step=None, return_params: bool = False,
-            path: str = "auto", transport: "MPITransport | None" = None, unpipelined: bool = False):
+            path: str | None = None, transport: "MPITransport | None" = None, unpipelined: bool = False):
     """`h2jax.runtime.train.run` for a process of an `mpiexec` job: configures the process
     for its stage (if not done yet), builds only that stage, and trains it with the other
-    ranks through an MPITransport. Returns a RunResult (losses are known on every rank;
-    `params` holds this process's stage)."""
+    ranks through an MPITransport (`path`: auto, direct or staged; default $H2JAX_MPI_PATH,
+    else auto). Returns a RunResult (losses are known on every rank; `params` holds this
+    process's stage)."""
+    path = path or os.environ.get("H2JAX_MPI_PATH", "auto")
     if unpipelined:
         raise ConfigError("--unpipelined runs the whole model in one process; launch it without mpiexec")
     role = process_role(plan)
@@ -780,6 +783,19 @@ def _run_stage(plan, role, steps, dataset, on_step, return_params, path, transpo
     result.transport = transport.describe()
     transport.flush()
     return result
+
+
+def _host_view(array) -> np.ndarray:
+    """A zero-copy numpy view of a single-device CPU jax.Array: through DLPack, or for dtypes
+    DLPack does not carry (bfloat16) through the buffer's address, as same-width integers
+    (MPI moves bytes; the caller keeps `array` alive while the view is in use)."""
+    try:
+        return np.from_dlpack(array)
+    except (RuntimeError, BufferError, TypeError, ValueError):
+        from mpi4py import MPI
+
+        raw = MPI.buffer.fromaddress(array.unsafe_buffer_pointer(), array.nbytes, readonly=True)
+        return np.frombuffer(raw, dtype=f"u{array.dtype.itemsize}").reshape(array.shape)
 
 
 def _aligned_copy(host: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ jitted on the stage's own mesh (the max is a collective over the whole mesh, acr
 in a multi-process stage). Inputs are small integers, so every value is exact in f32 and each
 received shard must equal the numpy oracle bit for bit.
 
-usage: mpiexec -n K python toy_pipeline.py MESHES PROCESSES SCHEDULES PATH
+usage: mpiexec -n K python toy_pipeline.py MESHES PROCESSES SCHEDULES PATH [DTYPE]
        e.g. "2x1,1x2,2x2" "1,1,2" "gpipe,1f1b" auto
 Rank 0 prints one line: TOY-OK {json}; any mismatch raises (and aborts the job).
 """
@@ -22,6 +22,7 @@ from h2jax.transport import mpi
 meshes = [tuple(int(v) for v in m.split("x")) for m in sys.argv[1].split(",")]
 processes = [int(p) for p in sys.argv[2].split(",")]
 schedules, path = sys.argv[3].split(","), sys.argv[4]
+DTYPE = sys.argv[5] if len(sys.argv) > 5 else "float32"  # bfloat16: keep to 2 stages (exact < 256)
 N_MICRO, STEPS = 3, 2
 SHAPE = (8, 4, 16)  # [micro_batch, seq, d_model]
 n = len(meshes)
@@ -73,12 +74,14 @@ def oracle_grad(step, k, stage):  # gradient stage `stage` sends back (dx of tha
 
 def check(array, want, what):
     assert array.sharding == layout, f"{what}: arrived as {array.sharding}, want {layout}"
+    assert array.dtype == DTYPE, f"{what}: arrived as {array.dtype}"
     for shard in array.addressable_shards:
-        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=what)
+        got = np.asarray(shard.data).astype(np.float32)
+        np.testing.assert_array_equal(got, want[shard.index], err_msg=what)
 
 
 transport = mpi.MPITransport(plan, path=path, barrier=False)
-transport.connect(SHAPE, np.float32, {s: layout})
+transport.connect(SHAPE, jnp.dtype(DTYPE), {s: layout})
 checked = 0
 for name in schedules:
     actions = sched.stage_actions(name, s, n, N_MICRO)
@@ -98,7 +101,7 @@ for name in schedules:
                 checked += 1
             elif a.kind == sched.F:
                 x = inbox.pop((ACT, k)) if s else jax.make_array_from_callback(
-                    SHAPE, layout, lambda idx, k=k: oracle_input(step, k)[idx])
+                    SHAPE, layout, lambda idx, k=k: oracle_input(step, k)[idx].astype(DTYPE))
                 outbox[ACT, k] = toy(x)
             elif a.kind == sched.B:
                 outbox[GRAD, k] = toy(outbox[ACT, k] if s == n - 1 else inbox.pop((GRAD, k)))
