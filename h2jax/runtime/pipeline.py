@@ -76,6 +76,19 @@ class Pipeline:
         self.transport.flush()
         return self._finish(runs)
 
+    @property
+    def _loss_cotangent(self) -> np.float32:
+        """d(step loss)/d(micro-batch loss): the step's loss is the mean over micro-batches."""
+        return np.float32(1.0 / self.plan.n_micro)
+
+    @staticmethod
+    def _backward_follows(run: _StageRun) -> bool:
+        """The last stage's forward k is immediately followed by its backward k."""
+        if not run.ex.is_last or run.pos + 1 >= len(run.actions):
+            return False
+        a, b = run.actions[run.pos], run.actions[run.pos + 1]
+        return b.kind == sched.B and b.micro == a.micro
+
     def _expected_receives(self, run: _StageRun) -> list[Tag]:
         tags = []
         for pos in range(len(run.actions)):
@@ -89,7 +102,13 @@ class Pipeline:
     def _execute(self, run: _StageRun, inputs, labels) -> None:
         a = run.actions[run.pos]
         ex, k, i = run.ex, a.micro, run.ex.index
-        if a.kind == sched.F:
+        if a.kind == sched.F and self._backward_follows(run):
+            x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k))
+            run.losses[k], dx = ex.forward_backward(x, ex.put_labels(labels[k]), self._loss_cotangent)
+            if not ex.is_first:
+                run.outbox[GRAD, k] = dx
+            run.pos += 1  # the B action just ran too
+        elif a.kind == sched.F:
             x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k))
             y = ex.put_labels(labels[k]) if ex.is_last else None
             out, run.saved[k] = ex.forward(x, y)
@@ -98,7 +117,7 @@ class Pipeline:
             else:
                 run.outbox[ACT, k] = out
         elif a.kind == sched.B:
-            dy = np.float32(1.0 / self.plan.n_micro) if ex.is_last else run.inbox.pop((GRAD, k))
+            dy = self._loss_cotangent if ex.is_last else run.inbox.pop((GRAD, k))
             dx = ex.backward(run.saved.pop(k), dy)
             if not ex.is_first:
                 run.outbox[GRAD, k] = dx

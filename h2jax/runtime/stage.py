@@ -142,6 +142,20 @@ class StageExecutor:
                 donate_argnums=(0,),
                 out_shardings=grad_out_sh,
             )
+
+        def forward_backward(acc, params, x, labels, dy):
+            out, vjp = self._vjp(params, x, labels)
+            acc, dx = self._accumulate(acc, vjp(dy))
+            return out, acc, dx
+
+        # When the schedule runs a micro-batch's backward right after its forward (the last
+        # stage under 1F1B), one program does both: no residuals round-trip through memory.
+        self._forward_backward = jax.jit(
+            forward_backward,
+            in_shardings=(self.param_sharding,) + in_sh + (None,),
+            donate_argnums=(0,),
+            out_shardings=(None,) + grad_out_sh,
+        )
         self._sq_norm = jax.jit(squared_norm)
         def update(params, opt_state, acc, norm):
             params, opt_state = apply_clipped_update(
@@ -172,6 +186,11 @@ class StageExecutor:
         else:
             self.grad_acc, dx = self._backward(self.grad_acc, saved, dy)
         return dx
+
+    def forward_backward(self, x, labels, dy):
+        """forward then backward of one micro-batch in one program: (output, input gradient)."""
+        out, self.grad_acc, dx = self._forward_backward(self.grad_acc, self.params, x, labels, dy)
+        return out, dx
 
     def grad_squared_norm(self) -> float:
         return float(self._sq_norm(self.grad_acc))
