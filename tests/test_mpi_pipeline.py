@@ -59,7 +59,7 @@ def _check_mpi_equals_local(tmp_path, stages, schedules, reference_schedule=None
         save_plan(plan, tmp_path / f"{name}.json")
         files.append(str(tmp_path / f"{name}.json"))
     n = sum(p for _, _, p in stages)
-    proc, _ = mpiexec(n, "train_plans.py", str(tmp_path / "out"), str(STEPS), "auto", *files, timeout=400)
+    proc, _ = mpiexec(n, "train_plans.py", str(tmp_path / "out"), str(STEPS), "auto", *files, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for i, plan in enumerate(plans):
         ref = plan if reference_schedule is None else _plan(stages, reference_schedule)
@@ -86,15 +86,17 @@ def test_two_processes_uneven_stages_gpipe_and_1f1b(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_three_processes_with_a_two_process_data2_tensor2_stage(tmp_path):
-    # Stage 0 spans two processes (two CPU devices each) as one jax.distributed group.
-    # Its local reference runs GPipe: the runtime accumulates micro-batches in the same order
-    # under both schedules (checked by the two-process test against each schedule's own run).
+    # Stage 0 spans two processes (two CPU devices each) as one jax.distributed group. One
+    # schedule keeps the job short; the toy test in test_mpi_transport.py runs this stage
+    # layout under both.
     stages = [((2, 2), (0, 2), 2), ((1, 2), (2, 4), 1)]
-    _check_mpi_equals_local(tmp_path, stages, ["1f1b", "gpipe"], reference_schedule="gpipe")
+    _check_mpi_equals_local(tmp_path, stages, ["1f1b"])
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_four_processes_four_stages(tmp_path):
     stages = [((1, 1), (0, 1), 1), ((2, 1), (1, 2), 1), ((1, 2), (2, 3), 1), ((1, 1), (3, 4), 1)]
+    # Both schedules against the local 1F1B run: the runtime accumulates micro-batches in
+    # the same order under both (the two-process test checks each against its own run).
     _check_mpi_equals_local(tmp_path, stages, ["1f1b", "gpipe"], reference_schedule="1f1b")
