@@ -254,3 +254,42 @@ def test_bad_profile_entry_names_the_field(tmp_path):
                                 "chips": {"cpu": [{"tensor": 1, "tokens": 8, "forward_s": -1, "backward_s": 1}]}}))
     with pytest.raises(ConfigError, match=r"profile.chips\['cpu'\]\[0\].forward_s must be a positive"):
         load_profile(path)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_cli_plan_json_writes_a_loadable_plan(tmp_path, capsys):
+    from h2jax.cli import main
+
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('[[group]]\nchip = "cpu"\ncount = 4\n[[group]]\nchip = "nvidia-a100"\ncount = 2\n')
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--cluster", str(cluster), "--model", "small", "--seq-len", "128",
+               "--global-batch-tokens", "2048", "--out", str(out), "--json", "--top-k", "3"])
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out)
+    plan = load_plan(out)
+    assert printed["plan"]["predicted"]["iteration_time_s"] == plan.predicted["iteration_time_s"]
+    assert len(printed["top_k"]) == 3
+    assert printed["plan"]["predicted"]["chips_unused"] == {"cpu": 4}  # four slow CPUs only slow it down
+    ratio = plan.predicted["hetero_speedup_ratio"]
+    base = plan.predicted["baselines"]
+    assert ratio == pytest.approx(plan.predicted["tokens_per_s"] / sum(b["tokens_per_s"] for b in base.values()))
+
+
+def test_cli_plan_table_and_errors(tmp_path, capsys):
+    from h2jax.cli import main
+
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('[[group]]\nchip = "cpu"\ncount = 2\n')
+    assert main(["plan", "--cluster", str(cluster), "--model", "tiny", "--seq-len", "32", "--global-batch", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "HeteroSpeedupRatio" in text and "proved optimal" in text
+    assert main(["plan", "--cluster", str(cluster), "--model", "tiny", "--seq-len", "32",
+                 "--global-batch-tokens", "100"]) == 2
+    assert "must be a positive multiple of --seq-len (32)" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[group]]\nchip = "tpu-v9"\ncount = 2\n')
+    assert main(["plan", "--cluster", str(bad), "--model", "tiny", "--seq-len", "32", "--global-batch", "4"]) == 2
+    assert "unknown chip type 'tpu-v9'" in capsys.readouterr().err

@@ -237,8 +237,17 @@ def send_terms(
     return seconds, nbytes
 
 
-def chips_by_name(cluster_or_chips: Cluster | Mapping[str, ChipType]) -> Mapping[str, ChipType]:
-    return cluster_or_chips.chips if isinstance(cluster_or_chips, Cluster) else cluster_or_chips
+def chips_by_name(
+    cluster_or_chips: Cluster | Mapping[str, ChipType] | None, plan: Plan | None = None
+) -> Mapping[str, ChipType]:
+    """Chip types by name: a cluster's (with its overrides), a mapping, or (None) backends/ files."""
+    if isinstance(cluster_or_chips, Cluster):
+        return cluster_or_chips.chips
+    if cluster_or_chips is None:
+        from h2jax.cluster import load_chip
+
+        return {s.chip: load_chip(s.chip) for s in (plan.stages if plan else ())}
+    return cluster_or_chips
 
 
 def in_flight(schedule: str, stage: int, n_stages: int, n_micro: int) -> int:
@@ -250,11 +259,11 @@ def in_flight(schedule: str, stage: int, n_stages: int, n_micro: int) -> int:
 
 def plan_stage_terms(
     plan: Plan,
-    cluster_or_chips: Cluster | Mapping[str, ChipType],
+    cluster_or_chips: Cluster | Mapping[str, ChipType] | None,
     profile: Profile | None = None,
     options: CostOptions | None = None,
 ) -> list[StageTerms]:
-    chips = chips_by_name(cluster_or_chips)
+    chips = chips_by_name(cluster_or_chips, plan)
     if profile is not None:
         profile.check_matches(plan.model, plan.seq_len)
     options = options or CostOptions(optimizer=plan.optimizer.name)
@@ -274,12 +283,15 @@ def plan_stage_terms(
 
 def stage_costs(
     plan: Plan,
-    cluster_or_chips: Cluster | Mapping[str, ChipType],
+    cluster_or_chips: Cluster | Mapping[str, ChipType] | None,
     profile: Profile | None = None,
     options: CostOptions | None = None,
 ) -> list[StageCost]:
-    """Per-stage, per-micro-batch costs of an existing plan (what the simulator replays)."""
-    chips = chips_by_name(cluster_or_chips)
+    """Per-stage, per-micro-batch costs of an existing plan (what the simulator replays).
+
+    `cluster_or_chips`: a Cluster, a mapping chip name -> ChipType, or None for the chip files.
+    """
+    chips = chips_by_name(cluster_or_chips, plan)
     terms = plan_stage_terms(plan, chips, profile, options)
     p = plan.n_stages
     costs = []

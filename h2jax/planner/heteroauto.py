@@ -27,9 +27,10 @@ class PlanResult:
     uniform_split: dict[str, Any] | None  # the same stages with layers split evenly, for contrast
     fixed_batch_baselines: dict[str, Baseline] | None = None  # paper-style, batch-mismatched
 
-    def summary(self) -> dict[str, Any]:
-        """What `h2jax plan --json` prints."""
-        return {"plan": self.plan.to_dict()}
+    def candidate_plans(self) -> list[Plan]:
+        """The top-k candidates as plans (no `predicted`), fastest first under the cost model."""
+        p = self.plan
+        return [candidate_plan(c, p.model, p.seq_len, p.global_batch, p.schedule, p.optimizer) for c in self.candidates]
 
 
 def predict(

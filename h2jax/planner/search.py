@@ -40,7 +40,7 @@ import heapq
 import itertools
 import math
 import time
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -510,6 +510,9 @@ class _TopK:
         return -self.heap[0][0] if len(self.heap) >= self.k else math.inf
 
     def push(self, cand: Candidate) -> None:
+        key = (cand.micro_batch, cand.options)
+        if any(c.micro_batch == key[0] and c.options == key[1] for _, _, c in self.heap):
+            return  # the seed pass already found this stage list
         item = (-cand.time_s, -next(self.counter), cand)
         if len(self.heap) < self.k:
             heapq.heappush(self.heap, item)
@@ -524,14 +527,32 @@ class _OutOfTime(Exception):
     pass
 
 
+SEED_OPTIONS = 6  # per chip type, in the quick first pass that finds an incumbent
+
+
 def _search_fast(
     ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
 ) -> list[Candidate]:
-    L, top = ctx.model.n_layers, _TopK(k)
+    """Branch and bound; a first pass over each type's few fastest plausible options finds a
+    good incumbent quickly (on thousands of chips the full tree is only cut well with one)."""
+    top = _TopK(k)
+    _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=True)
+    _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=False)
+    return top.sorted()
+
+
+def _branch_and_bound(
+    ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float, seed: bool
+) -> None:
+    L = ctx.model.n_layers
     roots = []
     for b in micro_batches:
         per_type = ctx.type_options(b, prune_unfit=True)
-        stats.space_size += math.prod(len(o) + 1 for o in per_type) - 1
+        if seed:
+            # Plausible: the type's first stage holds a layer with its own stages in flight.
+            per_type = [[o for o in opts if o.max_layers(o.stages) >= 1][:SEED_OPTIONS] for opts in per_type]
+        else:
+            stats.space_size += math.prod(len(o) + 1 for o in per_type) - 1
         best_speed = [max((o.speed for o in opts), default=0.0) for opts in per_type]
         envelopes = [_Envelope.of_options(opts, L) for opts in per_type]
         rest = [_Envelope.zero()]
@@ -594,19 +615,32 @@ def _search_fast(
         except _OutOfTime:
             stats.proved_optimal = False
             break
-    return top.sorted()
 
 
-def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
-    for cuts in itertools.combinations(range(1, total), parts - 1):
-        edges = (0, *cuts, total)
-        yield tuple(edges[i + 1] - edges[i] for i in range(parts))
+_COMPOSITIONS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _compositions(total: int, parts: int) -> np.ndarray:
+    """Every way to write `total` as `parts` positive integers in order, one per row."""
+    key = (total, parts)
+    if key not in _COMPOSITIONS:
+        rows = []
+        for cuts in itertools.combinations(range(1, total), parts - 1):
+            edges = (0, *cuts, total)
+            rows.append([edges[i + 1] - edges[i] for i in range(parts)])
+        _COMPOSITIONS[key] = np.array(rows, dtype=np.int64).reshape(-1, parts)
+    return _COMPOSITIONS[key]
 
 
 def _search_exhaustive(ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats) -> list[Candidate]:
-    """Every stage list and every layer split, no bounds, no pruning: the reference."""
+    """Every stage list and every layer split, no bounds, no pruning: the reference.
+
+    Memory is checked with the memory model's byte totals directly (not its layer caps), and
+    each split's time is evaluated from the stage terms, vectorised over all splits.
+    """
     L, top = ctx.model.n_layers, _TopK(k)
     for b in micro_batches:
+        m = ctx.global_batch // b
         per_type = ctx.type_options(b, prune_unfit=False)
         for combo in itertools.product(*[[None, *opts] for opts in per_type]):
             chosen = [o for o in combo if o is not None]
@@ -614,31 +648,35 @@ def _search_exhaustive(ctx: _Context, micro_batches: Sequence[int], k: int, stat
             if not chosen or p > L:
                 continue
             stats.space_size += 1
+            stats.configs_visited += 1
             shapes = [o for o in chosen for _ in range(o.stages)]
-            m = ctx.global_batch // b
             terms = [
                 ctx.terms(b, o, i == 0, i == p - 1, cm.in_flight(ctx.schedule, i, p, m))
                 for i, o in enumerate(shapes)
             ]
-            leaf = None
-            for layers in _compositions(L, p):
-                if any(t.mem.total_bytes(n) > t.mem.capacity for t, n in zip(terms, layers)):
-                    continue
-                leaf = leaf or _leaf_unchecked(ctx, b, chosen)
-                stats.plans_evaluated += 1
-                value = _objective(leaf, np.array(layers, dtype=np.int64))
-                if value < top.bound:
-                    top.push(Candidate(value, b, tuple(chosen), layers))
-            stats.configs_visited += 1
+            splits = _compositions(L, p)
+            per_layer = np.array([t.mem.layer_static + t.mem.in_flight * t.mem.layer_activation for t in terms])
+            fixed = np.array([t.mem.params_end + t.mem.working + t.mem.reserve for t in terms])
+            capacity = np.array([t.mem.capacity for t in terms])
+            splits = splits[(splits * per_layer + fixed <= capacity).all(axis=1)]
+            if not len(splits):
+                continue
+            stats.plans_evaluated += len(splits)
+            sends = [ctx.send(b, shapes[i], shapes[i + 1]) for i in range(p - 1)]
+            max_send = max(sends, default=0.0)
+            fwd = splits * np.array([t.fwd_layer for t in terms]) + np.array([t.fwd_end for t in terms])
+            bwd = splits * np.array([t.bwd_layer for t in terms]) + np.array([t.bwd_end for t in terms])
+            tail = splits * np.array([t.tail_layer for t in terms]) + np.array([t.tail_end for t in terms])
+            links = 2.0 * sum(x + cm.LINK_LATENCY_S for x in sends)
+            if ctx.schedule == "1f1b":
+                steady = np.maximum((fwd + bwd).max(axis=1), max_send)
+            else:
+                steady = np.maximum(fwd.max(axis=1), max_send) + np.maximum(bwd.max(axis=1), max_send)
+            times = (fwd + bwd).sum(axis=1) + links + (m - 1) * steady + tail.max(axis=1)
+            for j in np.argsort(times, kind="stable")[:k]:
+                if times[j] < top.bound:
+                    top.push(Candidate(float(times[j]), b, tuple(chosen), tuple(int(x) for x in splits[j])))
     return top.sorted()
-
-
-def _leaf_unchecked(ctx: _Context, b: int, options: Sequence[Option]) -> _Leaf:
-    leaf = _leaf(ctx, b, options)
-    if leaf is not None:
-        return leaf
-    # Some stage's cap is < 1 only if no composition fits, and those were skipped above.
-    raise AssertionError("a composition fitted a stage list whose caps say it cannot")
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -717,6 +755,11 @@ def top_k(
         deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
         found = _search_fast(ctx, mbs, k, stats, deadline)
     stats.search_time_s = time.perf_counter() - t0
+    if not found and not stats.proved_optimal:
+        raise PlannerError(
+            f"the search ran out of its time limit ({time_limit_s} s) before finding any plan; "
+            "raise the time limit (--time-limit) or plan fewer chip types"
+        )
     if not found:
         raise PlannerError(explain_unfit(ctx, mbs))
     return found, stats

@@ -1,0 +1,111 @@
+"""HeteroAuto search speed on the shipped clusters, and fast-vs-exhaustive on small ones.
+
+Prints one JSON object. Planning target: llama-100b, seq 4096, 8M-token global batch
+(2,048 sequences), 1F1B. The search is exact; on big clusters a time limit stops it with
+the best plan found, and `proved_optimal` says whether it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_cluster
+from h2jax.planner import PlannerError, top_k
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTERS = ["cluster-64.toml", "cluster-768.toml", "cluster-1024.toml", "cluster-2432.toml"]
+
+
+def shipped(time_limit: float) -> dict:
+    out = {}
+    for name in CLUSTERS:
+        cluster = load_cluster(REPO / "plans" / name)
+        t0 = time.perf_counter()
+        (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, time_limit_s=time_limit)
+        wall = time.perf_counter() - t0
+        chips = sum(o.chips for o in best.options)
+        out[cluster.name] = {
+            "chips": cluster.n_chips,
+            "chip_types": len(cluster.groups),
+            "search_time_s": round(stats.search_time_s, 3),
+            "wall_s": round(wall, 3),
+            "proved_optimal": stats.proved_optimal,
+            "plans_evaluated": stats.plans_evaluated,
+            "stage_lists_visited": stats.configs_visited,
+            "space_size": stats.space_size,
+            "iteration_time_s": round(best.time_s, 4),
+            "tokens_per_s": round(8 * 2**20 / best.time_s, 1),
+            "tgs": round(8 * 2**20 / best.time_s / cluster.n_chips, 2),
+            "stages": sum(o.stages for o in best.options),
+            "chips_used": chips,
+            "micro_batch": best.micro_batch,
+        }
+    return out
+
+
+def random_cluster(rng: random.Random) -> tuple[Cluster, str]:
+    n_types = rng.choice([2, 3])
+    max_count, model = (32, rng.choice(["tiny", "small"])) if n_types == 2 else (8, "tiny")
+    groups = []
+    for i in range(n_types):
+        chip = ChipType(
+            f"chip{i}", "cpu", rng.choice([0.004, 0.008, 0.016, 0.05, 1.0]), rng.choice([0.1, 0.3, 1.0, 2.5]),
+            rng.choice([1, 2, 4]), rng.choice([5.0, 50.0]), rng.choice([0.5, 2.0, 10.0]), "benchmark",
+            precision=Precision("float32", rng.choice(["float32", "bfloat16"])),
+        )
+        groups.append(ChipGroup(chip, rng.randint(1, max_count)))
+    return Cluster(tuple(groups), name="random"), model
+
+
+def fast_vs_exhaustive(cases: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    agree = fits = 0
+    fast_s = full_s = 0.0
+    worst = 0.0
+    for _ in range(cases):
+        cluster, model = random_cluster(rng)
+        seq, batch, schedule = rng.choice([32, 128]), rng.choice([2, 4, 6]), rng.choice(["1f1b", "gpipe"])
+        res = []
+        for exhaustive in (False, True):
+            t0 = time.perf_counter()
+            try:
+                (best,), _ = top_k(cluster, model, seq, batch, schedule=schedule, exhaustive=exhaustive)
+                res.append(best.time_s)
+            except PlannerError:
+                res.append(None)
+            if exhaustive:
+                full_s += time.perf_counter() - t0
+            else:
+                fast_s += time.perf_counter() - t0
+        if res[0] is None or res[1] is None:
+            agree += res[0] is None and res[1] is None
+            continue
+        fits += 1
+        gap = abs(res[0] - res[1]) / res[1]
+        worst = max(worst, gap)
+        agree += gap <= 1e-9
+    return {
+        "cases": cases, "cases_with_a_plan": fits, "fast_equals_exhaustive": agree,
+        "worst_relative_gap": worst, "fast_total_s": round(fast_s, 3), "exhaustive_total_s": round(full_s, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--time-limit", type=float, default=20.0, help="per shipped cluster (s)")
+    parser.add_argument("--cases", type=int, default=30, help="random small clusters")
+    args = parser.parse_args()
+    print(json.dumps({
+        "model": "llama-100b", "seq_len": 4096, "global_batch_tokens": 8 * 2**20, "schedule": "1f1b",
+        "time_limit_s": args.time_limit,
+        "shipped_clusters": shipped(args.time_limit),
+        "small_clusters": fast_vs_exhaustive(args.cases, seed=0),
+    }))
+
+
+if __name__ == "__main__":
+    main()

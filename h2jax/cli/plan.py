@@ -1,0 +1,135 @@
+"""`h2jax plan --cluster FILE --model NAME --seq-len S --global-batch-tokens T`: HeteroAuto.
+
+Searches the cluster for the fastest plan under the cost model (exactly), writes it with
+--out, and reports it next to each chip type planned alone at the same global batch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from h2jax.config import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan a model on a (mixed) cluster", description=__doc__)
+    p.add_argument("--cluster", required=True, help="cluster file (TOML), e.g. plans/cluster-1024.toml")
+    p.add_argument("--model", required=True, help="model preset, e.g. tiny, small, llama-7b, llama-100b")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    batch = p.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (a multiple of --seq-len)")
+    batch.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="enumerate every stage list and layer split (small clusters only): checks the search")
+    p.add_argument("--profile", help="measured profile (from `h2jax profile`) to use instead of the analytical model")
+    p.add_argument("--top-k", type=int, default=1, help="keep the K best stage lists (listed with --json)")
+    p.add_argument("--time-limit", type=float, default=60.0,
+                   help="stop the search after this many seconds with the best plan so far, marked not proved "
+                        "optimal (default 60; small clusters finish in well under a second)")
+    p.add_argument("--baseline-global-batch-tokens", type=int, default=None,
+                   help="also report baselines at this (different) batch, labelled batch-mismatched, as the H2 paper did")
+    p.add_argument("--no-baselines", action="store_true", help="skip the homogeneous baselines")
+    p.add_argument("--out", help="write the plan (JSON) here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=main)
+
+
+def sequences(tokens: int | None, seqs: int | None, seq_len: int, flag: str) -> int | None:
+    if seqs is not None:
+        return seqs
+    if tokens is None:
+        return None
+    if tokens < seq_len or tokens % seq_len:
+        raise ConfigError(
+            f"{flag} ({tokens}) must be a positive multiple of --seq-len ({seq_len}); e.g. "
+            f"{max(1, round(tokens / seq_len)) * seq_len}"
+        )
+    return tokens // seq_len
+
+
+def main(args: argparse.Namespace) -> int:
+    from h2jax.cluster import load_cluster
+    from h2jax.planner import load_profile, plan_cluster
+    from h2jax.plan import save_plan
+
+    if args.seq_len is None or args.seq_len < 1:
+        raise ConfigError("--seq-len must be a positive integer")
+    global_batch = sequences(args.global_batch_tokens, args.global_batch, args.seq_len, "--global-batch-tokens")
+    baseline_batch = sequences(args.baseline_global_batch_tokens, None, args.seq_len, "--baseline-global-batch-tokens")
+    cluster = load_cluster(args.cluster)
+    profile = load_profile(args.profile) if args.profile else None
+    result = plan_cluster(
+        cluster, args.model, args.seq_len, global_batch, schedule=args.schedule, exhaustive=args.exhaustive,
+        profile=profile, k=args.top_k, baselines=not args.no_baselines, baseline_global_batch=baseline_batch,
+        time_limit_s=args.time_limit,
+    )
+    if args.out:
+        save_plan(result.plan, args.out)
+    if args.json:
+        out: dict[str, Any] = {"cluster": cluster.name, "plan": result.plan.to_dict()}
+        if args.top_k > 1:
+            out["top_k"] = [
+                {"iteration_time_s": c.time_s, "micro_batch": c.micro_batch,
+                 "stages": [{"chip": s.chip, "mesh": {"data": s.mesh.data, "tensor": s.mesh.tensor},
+                             "layers": list(s.layers), "recompute": s.recompute} for s in c.stages()]}
+                for c in result.candidates
+            ]
+        if args.out:
+            out["written_to"] = args.out
+        print(json.dumps(out))
+    else:
+        print_table(result, cluster, args.out)
+    return 0
+
+
+def print_table(result: Any, cluster: Any, out: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    plan, pred = result.plan, result.plan.predicted
+    console = Console(file=sys.stdout, width=max(100, Console().width))
+    table = Table(title=f"{plan.model_name or 'model'} on {cluster.name} ({cluster.n_chips} chips): "
+                  f"{plan.n_stages} stages, micro-batch {plan.micro_batch} x {plan.n_micro}, {plan.schedule}")
+    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "memory GiB"):
+        table.add_column(col, justify="right" if col in ("stage", "memory GiB") else "left")
+    for i, s in enumerate(plan.stages):
+        table.add_row(
+            str(i), s.chip, f"{s.mesh.data} x {s.mesh.tensor}", f"{s.layers[0]}-{s.layers[1] - 1} ({s.n_layers})",
+            s.recompute, f"{pred['memory_gib'][i]:.1f} / {pred['memory_capacity_gib'][i]:.0f}",
+        )
+    console.print(table)
+    console.print(
+        f"iteration {pred['iteration_time_s']:.4g} s, {pred['tokens_per_s']:,.0f} tokens/s, "
+        f"TGS {pred['tgs']:,.1f} tokens/chip/s, MFU {pred['mfu']:.1%}, bubble {pred['bubble_fraction']:.1%}"
+    )
+    unused = pred.get("chips_unused") or {}
+    if unused:
+        console.print("chips left unused (faster without them): " + ", ".join(f"{n} x {c}" for c, n in unused.items()))
+    opt = "proved optimal under the cost model" if pred.get("proved_optimal", True) else "NOT proved optimal (time limit)"
+    console.print(
+        f"search: {pred['search_time_s']:.3f} s, {pred['plans_evaluated']:,} plans evaluated, "
+        f"{pred['configs_visited']:,} of {pred['space_size']:,} stage lists visited; {opt}"
+    )
+    if result.baselines:
+        base = Table(title="each chip type alone, same global batch")
+        for col in ("chip", "chips", "tokens/s", "TGS", "note"):
+            base.add_column(col)
+        for name, b in result.baselines.items():
+            note = "" if b.plan is not None else (b.reason or "")[:60]
+            base.add_row(name, str(b.chips), f"{b.tokens_per_s:,.0f}", f"{b.tgs:,.1f}", note)
+        console.print(base)
+        ratio = result.hetero_speedup_ratio
+        console.print(
+            "HeteroSpeedupRatio N*TGS / sum N_i*TGS_i = "
+            + (f"{ratio:.3f}" if ratio is not None else "n/a (no chip type fits the model alone)")
+            + " (batch-matched)"
+        )
+        if "hetero_speedup_ratio_batch_mismatched" in pred:
+            r2 = pred["hetero_speedup_ratio_batch_mismatched"]
+            console.print(f"  vs baselines at a different batch (paper-style, NOT batch-matched): "
+                          + (f"{r2:.3f}" if r2 is not None else "n/a"))
+    if out:
+        console.print(f"plan written to {out}")

@@ -1,0 +1,84 @@
+"""The fast search is exact under its own cost model: it matches exhaustive enumeration."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision
+from h2jax.planner import PlannerError, top_k
+
+
+@st.composite
+def small_clusters(draw, n_types, max_count):
+    """Chip types whose memory is small enough that recomputation and memory caps matter."""
+    groups = []
+    for i in range(n_types):
+        chip = ChipType(
+            name=f"chip{i}",
+            platform="cpu",
+            memory_gib=draw(st.sampled_from([0.004, 0.008, 0.016, 0.05, 1.0])),
+            peak_tflops=draw(st.sampled_from([0.1, 0.3, 1.0, 2.5])),
+            chips_per_node=draw(st.sampled_from([1, 2, 4])),
+            intra_node_gbps=draw(st.sampled_from([5.0, 50.0])),
+            inter_node_gbps=draw(st.sampled_from([0.5, 2.0, 10.0])),
+            source="hypothesis",
+            precision=Precision("float32", draw(st.sampled_from(["float32", "bfloat16"]))),
+        )
+        groups.append(ChipGroup(chip, draw(st.integers(1, max_count))))
+    return Cluster(tuple(groups), name="random")
+
+
+def best_time(exhaustive, cluster, model, seq, batch, schedule):
+    try:
+        (best,), stats = top_k(cluster, model, seq, batch, schedule=schedule, exhaustive=exhaustive)
+    except PlannerError as e:
+        assert "no plan fits" in str(e)
+        return None, None
+    return best, stats
+
+
+# The exhaustive reference enumerates every stage list and split, so the clusters stay small
+# enough for it: two types of up to 32 chips (tiny or small model), or three of up to 8 (tiny).
+cases = st.one_of(
+    st.tuples(small_clusters(2, 32), st.sampled_from(["tiny", "small"])),
+    st.tuples(small_clusters(3, 8), st.just("tiny")),
+)
+
+
+@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=cases,
+    seq=st.sampled_from([32, 128]),
+    batch=st.sampled_from([2, 4, 6]),
+    schedule=st.sampled_from(["1f1b", "1f1b", "gpipe"]),
+)
+def test_fast_search_finds_the_exhaustive_optimum(case, seq, batch, schedule):
+    cluster, model = case
+    fast, fast_stats = best_time(False, cluster, model, seq, batch, schedule)
+    full, full_stats = best_time(True, cluster, model, seq, batch, schedule)
+    assert (fast is None) == (full is None)
+    if fast is None:
+        return
+    assert fast.time_s == pytest.approx(full.time_s, rel=1e-9)
+    assert fast_stats.plans_evaluated <= full_stats.plans_evaluated
+
+
+def test_the_search_can_leave_a_useless_chip_type_unused():
+    fast = ChipType("fast", "cpu", 1.0, 2.0, 4, 50.0, 10.0, "t")
+    slow = ChipType("slow", "cpu", 2.0, 0.001, 4, 50.0, 0.01, "t")  # more memory: goes first, if used
+    cluster = Cluster((ChipGroup(fast, 8), ChipGroup(slow, 8)))
+    (best,), _ = top_k(cluster, "tiny", 32, 8)
+    assert [o.chip for o in best.options] == ["fast"]
+    (ref,), _ = top_k(cluster, "tiny", 32, 8, exhaustive=True)
+    assert math.isclose(best.time_s, ref.time_s, rel_tol=1e-9)
+
+
+def test_chips_with_more_memory_come_first():
+    big = ChipType("big", "cpu", 4.0, 1.0, 4, 50.0, 10.0, "t")
+    small = ChipType("small", "cpu", 1.0, 1.0, 4, 50.0, 10.0, "t")
+    cluster = Cluster((ChipGroup(small, 4), ChipGroup(big, 4)))
+    (best,), _ = top_k(cluster, "small", 32, 8)
+    chips = [o.chip for o in best.options]
+    assert chips == sorted(chips, key=["big", "small"].index)
