@@ -146,6 +146,7 @@ class _Context:
     recompute: tuple[str, ...]
     _terms: dict = dataclasses.field(default_factory=dict)
     _sends: dict = dataclasses.field(default_factory=dict)
+    _options: dict = dataclasses.field(default_factory=dict)
 
     def terms(self, b: int, o: Option, first: bool, last: bool, in_flight: int) -> cm.StageTerms:
         key = (b, o.chip, o.data, o.tensor, o.recompute, first, last, in_flight)
@@ -170,7 +171,13 @@ class _Context:
         return v
 
     def type_options(self, b: int, prune_unfit: bool) -> list[list[Option]]:
-        """Per chip type (pipeline order), its options at micro-batch b, fastest first."""
+        """Per chip type (pipeline order), its options at micro-batch b, fastest first (cached)."""
+        key = (b, prune_unfit)
+        if key not in self._options:
+            self._options[key] = self._type_options(b, prune_unfit)
+        return [list(opts) for opts in self._options[key]]
+
+    def _type_options(self, b: int, prune_unfit: bool) -> list[list[Option]]:
         L = self.model.n_layers
         out = []
         for name in self.order:
@@ -336,13 +343,33 @@ class _Envelope:
         self.xs, self.hs = xs, hs  # breakpoints (increasing) and the layers held from each on
 
     @classmethod
-    def of_options(cls, options: Sequence[Option], L: int) -> "_Envelope":
-        pts_x, pts_h = [np.zeros(1)], [np.zeros(1)]
+    def of_options(
+        cls, options: Sequence[Option], L: int, in_flight: int = 1, m: int | None = None
+    ) -> "_Envelope":
+        """The most layers one of `options` holds under a bottleneck v, its stages sitting at
+        the pipeline positions that hold `in_flight`, `in_flight` + 1, ... micro-batches (at
+        least; capped at m, or all `in_flight` when m is None, as under GPipe).
+
+        Options sharing a shape differ only in k, and k stages hold at most the sum of the
+        first k per-position caps min(floor(v/c), cap(f_j)), which grows with k: the envelope
+        of a shape is that of its largest k, clipped at L, built vectorised."""
+        shapes: dict[tuple, Option] = {}
         for o in options:
-            j = np.arange(1, min(o.cap1, L // o.stages if o.stages <= L else 0) + 1)
-            if len(j):
-                pts_x.append(j * o.layer_s)
-                pts_h.append(j * o.stages)
+            key = (o.data, o.tensor, o.recompute)
+            cur = shapes.get(key)
+            if cur is None or o.stages > cur.stages:
+                shapes[key] = o
+        pts_x, pts_h = [np.zeros(1)], [np.zeros(1)]
+        for o in shapes.values():
+            kmax = min(o.stages, L)
+            f = np.full(kmax, in_flight) if m is None else np.minimum(np.arange(in_flight, in_flight + kmax), m)
+            caps = np.minimum(np.floor(o.room / (o.layer_static + f * o.layer_activation) + 1e-9), min(o.cap1, L))
+            caps = caps[caps >= 1]
+            if not len(caps):
+                continue
+            j = np.arange(1, int(caps.max()) + 1)
+            pts_x.append(j * o.layer_s)
+            pts_h.append(np.minimum(np.minimum(j[:, None], caps[None, :]).sum(axis=1), L))
         x, h = np.concatenate(pts_x), np.concatenate(pts_h)
         order = np.argsort(x, kind="stable")
         x, h = x[order], np.maximum.accumulate(h[order])
@@ -533,37 +560,157 @@ SEED_OPTIONS = 6  # per chip type, in the quick first pass that finds an incumbe
 def _search_fast(
     ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
 ) -> list[Candidate]:
-    """Branch and bound; a first pass over each type's few fastest plausible options finds a
-    good incumbent quickly (on thousands of chips the full tree is only cut well with one)."""
+    """Branch and bound. Good incumbents first (on thousands of chips the tree is only cut well
+    with one): a greedy construction per micro-batch and target bottleneck, then a pass over
+    each type's few fastest plausible options; the full pass then proves (or improves) them."""
     top = _TopK(k)
+    try:
+        _greedy_incumbents(ctx, micro_batches, top, stats, deadline)
+    except _OutOfTime:
+        stats.proved_optimal = False
+        return top.sorted()
     _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=True)
     _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=False)
     return top.sorted()
 
 
+GREEDY_MICRO_BATCHES = 4  # the most promising micro-batch sizes by root bound
+GREEDY_FACTORS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0)
+
+
+def _greedy_incumbents(
+    ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float
+) -> None:
+    """Heuristic stage lists, each solved exactly by `best_split` and offered as an incumbent.
+
+    For a micro-batch b and a target bottleneck V (a few multiples of the smallest V at which
+    the cluster can hold the model), types are filled from the end of the pipeline: each takes
+    the shape and stage count that holds the layers still missing at the least fill cost (or,
+    if none can, the most layers), with every stage's in-flight micro-batches known exactly.
+    Only the quality of the incumbent depends on this; exactness does not.
+    """
+    L = ctx.model.n_layers
+    gpipe = ctx.schedule == "gpipe"
+    ranked = []
+    for b in micro_batches:
+        m = ctx.global_batch // b
+        per_type = ctx.type_options(b, prune_unfit=True)
+        rest = _Envelope.zero()
+        for opts in per_type:
+            rest = rest + (_Envelope.of_options(opts, L, m) if gpipe else _Envelope.of_options(opts, L, 1, m))
+        cheapest = min((o.layer_s for opts in per_type for o in opts), default=math.inf)
+        lb = _lower_bound(m, L, [], rest, cheapest, False)
+        if lb < math.inf:
+            ranked.append((lb, b, per_type, _bottleneck_lb(L, [], rest)))
+    ranked.sort(key=lambda r: r[:2])
+    for lb, b, per_type, v_lo in ranked[:GREEDY_MICRO_BATCHES]:
+        if lb >= top.bound:
+            continue
+        m = ctx.global_batch // b
+        shapes: list[dict[tuple, Option]] = []
+        for opts in per_type:
+            best: dict[tuple, Option] = {}
+            for o in opts:
+                key = (o.data, o.tensor, o.recompute)
+                if key not in best or o.stages > best[key].stages:
+                    best[key] = o
+            shapes.append(best)
+        tried: set = set()
+        for factor in GREEDY_FACTORS:
+            if time.perf_counter() > deadline:
+                raise _OutOfTime
+            v = v_lo * factor
+            chosen: list[Option] = []
+            q = held = 0
+            for t in reversed(range(len(per_type))):
+                need = L - held
+                pick = None  # (reaches need, -fill or held, -chips) -> option
+                for key, o in shapes[t].items():
+                    u = min(int(math.floor(v / o.layer_s + 1e-9)), L)
+                    if u < 1:
+                        continue
+                    kmax = min(o.stages, L - q)
+                    if kmax < 1:
+                        continue
+                    f = np.full(kmax, m) if gpipe else np.minimum(np.arange(q + 1, q + kmax + 1), m)
+                    caps = np.floor(o.room / (o.layer_static + f * o.layer_activation) + 1e-9)
+                    per = np.minimum(np.minimum(caps, o.cap1), u)
+                    good = int(np.argmin(per >= 1)) if (per < 1).any() else kmax
+                    if good < 1:
+                        continue
+                    cum = np.cumsum(per[:good])
+                    if cum[-1] >= need:
+                        kk = int(np.searchsorted(cum, need)) + 1
+                        score = (1, -(o.layer_s * need + kk * o.layer_s), -kk * o.data * o.tensor)
+                        h = need
+                    else:
+                        kk = good
+                        h = int(cum[-1])
+                        score = (0, h, -kk * o.data * o.tensor)
+                    if pick is None or score > pick[0]:
+                        pick = (score, dataclasses.replace(o, stages=kk), h)
+                if pick is None:
+                    continue
+                chosen.insert(0, pick[1])
+                q += pick[1].stages
+                held += pick[2]
+                if held >= L:
+                    break
+            if held < L:
+                continue
+            key = tuple(chosen)
+            if key in tried:
+                continue
+            tried.add(key)
+            leaf = _leaf(ctx, b, chosen)
+            if leaf is None:
+                continue
+            stats.configs_visited += 1
+            found = best_split(leaf, L, top.bound, stats)
+            if found is not None:
+                top.push(Candidate(found[0], b, tuple(chosen), tuple(int(x) for x in found[1])))
+
+
 def _branch_and_bound(
     ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float, seed: bool
 ) -> None:
+    """Depth-first over chip types in *reverse* pipeline order: the chosen types form the end of
+    the pipeline, so each chosen stage's in-flight micro-batches (1F1B: stages from it to the
+    end) are known exactly, and every type not chosen yet sits before all of them and holds at
+    least (chosen stages + 1) micro-batches, which caps its layers in the bound."""
     L = ctx.model.n_layers
+    gpipe = ctx.schedule == "gpipe"
     roots = []
     for b in micro_batches:
+        m = ctx.global_batch // b
         per_type = ctx.type_options(b, prune_unfit=True)
         if seed:
             # Plausible: the type's first stage holds a layer with its own stages in flight.
             per_type = [[o for o in opts if o.max_layers(o.stages) >= 1][:SEED_OPTIONS] for opts in per_type]
         else:
             stats.space_size += math.prod(len(o) + 1 for o in per_type) - 1
+        n = len(per_type)
         best_speed = [max((o.speed for o in opts), default=0.0) for opts in per_type]
-        envelopes = [_Envelope.of_options(opts, L) for opts in per_type]
-        rest = [_Envelope.zero()]
-        for env in reversed(envelopes):
-            rest.insert(0, rest[0] + env)
         cheapest = [min((o.layer_s for o in opts), default=math.inf) for opts in per_type]
-        suffix = [(sum(best_speed[i:]), rest[i], min(cheapest[i:], default=math.inf)) for i in range(len(per_type) + 1)]
-        roots.append((_lower_bound(ctx.global_batch // b, L, [], rest[0], suffix[0][2], False), b, per_type, suffix))
+        # prefix[t]: (speed, cheapest per-layer cost) of types 0..t-1, the ones before type t
+        prefix = [(sum(best_speed[:t]), min(cheapest[:t], default=math.inf)) for t in range(n + 1)]
+        envs: dict[tuple[int, int], _Envelope] = {}
+
+        def rest_env(t: int, f: int, per_type=per_type, envs=envs) -> _Envelope:
+            """The most layers types 0..t-1 hold under a bottleneck, each stage >= f in flight."""
+            key = (t, f)
+            if key not in envs:
+                envs[key] = _Envelope.zero() if t == 0 else (
+                    rest_env(t - 1, f) + _Envelope.of_options(per_type[t - 1], L, f, None if gpipe else m)
+                )
+            return envs[key]
+
+        f0 = m if gpipe else 1
+        root = _lower_bound(m, L, [], rest_env(n, f0), prefix[n][1], False)
+        roots.append((root, b, per_type, prefix, rest_env))
     roots.sort(key=lambda r: r[:2])  # most promising micro-batch first: a good incumbent early
 
-    for root_lb, b, per_type, suffix in roots:
+    for root_lb, b, per_type, prefix, rest_env in roots:
         if root_lb >= top.bound:
             continue
         m = ctx.global_batch // b
@@ -576,10 +723,17 @@ def _branch_and_bound(
                 return first.fwd_end + first.bwd_end, 0.0
             return first.fwd_end + first.bwd_end, last.fwd_end + last.bwd_end
 
+        def bound_after(t: int, chosen: list[Option], n_stages: int) -> float:
+            """Lower bound once types t.. are decided (chosen: pipeline order), types < t open."""
+            units = _units(chosen, m, ctx.schedule)
+            f = m if gpipe else min(n_stages + 1, m)
+            return _lower_bound(m, L, units, rest_env(t, f), prefix[t][1], t == 0, top.bound)
+
         def visit(t: int, chosen: list[Option], n_stages: int) -> None:
+            # t: the next type to decide (types t+1.. are decided; `chosen` in pipeline order)
             if time.perf_counter() > deadline:
                 raise _OutOfTime
-            if t == len(per_type):
+            if t < 0:
                 if not chosen:
                     return
                 first, last = ends(chosen)
@@ -593,25 +747,22 @@ def _branch_and_bound(
                 if found is not None:
                     top.push(Candidate(found[0], b, tuple(chosen), tuple(int(x) for x in found[1])))
                 return
-            speed = sum(o.speed for o in chosen) + suffix[t + 1][0]
+            speed = sum(o.speed for o in chosen) + prefix[t][0]
             fill = sum(o.stages * o.layer_s for o in chosen)
-            last = t + 1 == len(per_type)
             for o in per_type[t]:
                 if n_stages + o.stages > L:
                     continue
                 if (m - 1) * L / (speed + o.speed) + fill >= top.bound:
                     break  # options come fastest first: no later one can pass either
-                chosen.append(o)
-                units = _units(chosen, m, ctx.schedule)
-                if _lower_bound(m, L, units, suffix[t + 1][1], suffix[t + 1][2], last, top.bound) < top.bound:
-                    visit(t + 1, chosen, n_stages + o.stages)
-                chosen.pop()
-            units = _units(chosen, m, ctx.schedule)
-            if _lower_bound(m, L, units, suffix[t + 1][1], suffix[t + 1][2], last, top.bound) < top.bound:
-                visit(t + 1, chosen, n_stages)  # this type unused
+                chosen.insert(0, o)
+                if bound_after(t, chosen, n_stages + o.stages) < top.bound:
+                    visit(t - 1, chosen, n_stages + o.stages)
+                chosen.pop(0)
+            if bound_after(t, chosen, n_stages) < top.bound:
+                visit(t - 1, chosen, n_stages)  # this type unused
 
         try:
-            visit(0, [], 0)
+            visit(len(per_type) - 1, [], 0)
         except _OutOfTime:
             stats.proved_optimal = False
             break
