@@ -449,16 +449,63 @@ def _bottleneck_lb(L: int, assigned: Sequence[Any], rest: _Envelope) -> float:
     return v * (1 - 1e-9)  # stay below the split's own rounding
 
 
+class _Staircase:
+    """The cheapest per-layer cost of a chip type's layers under a bottleneck v: its j-th
+    layer costs at least the per-layer time of the cheapest shape that holds j layers under v
+    (with its stages at the most lenient positions from `in_flight` on, like `_Envelope`).
+
+    Whichever option the type takes, its x layers cost c*x >= the sum of the first x steps,
+    so the cheapest `left` steps over all types bound the fill from below.
+    """
+
+    def __init__(self, options: Sequence[Option], L: int, in_flight: int, m: int | None) -> None:
+        shapes: dict[tuple, Option] = {}
+        for o in options:
+            key = (o.data, o.tensor, o.recompute)
+            if key not in shapes or o.stages > shapes[key].stages:
+                shapes[key] = o
+        cs, tables = [], []
+        for o in shapes.values():
+            kmax = min(o.stages, L)
+            f = np.full(kmax, in_flight) if m is None else np.minimum(np.arange(in_flight, in_flight + kmax), m)
+            caps = np.minimum(np.floor(o.room / (o.layer_static + f * o.layer_activation) + 1e-9), min(o.cap1, L))
+            caps = caps[caps >= 1]
+            if not len(caps):
+                continue
+            u = np.arange(int(caps.max()) + 1)
+            cs.append(o.layer_s)
+            tables.append(np.minimum(np.minimum(u[:, None], caps[None, :]).sum(axis=1), L))
+        order = np.argsort(cs, kind="stable")
+        self.c = np.array(cs, dtype=float)[order]
+        width = max((len(t) for t in tables), default=1)
+        self.umax = np.array([len(t) - 1 for t in tables], dtype=np.int64)[order] if tables else np.zeros(0, np.int64)
+        self.tab = np.array([np.pad(t, (0, width - len(t)), mode="edge") for t in tables]).reshape(len(tables), width)[order]
+        self.rows = np.arange(len(tables))
+
+    def steps(self, v: float) -> tuple[np.ndarray, np.ndarray]:
+        """(cost, count) of the steps under bottleneck v, costs ascending."""
+        if not len(self.c):
+            return self.c, self.umax
+        u = np.minimum(np.floor(min(v, 1e30) / self.c + 1e-9), self.umax).astype(np.int64)
+        held = np.maximum.accumulate(self.tab[self.rows, u])
+        inc = np.diff(held, prepend=0)
+        keep = inc > 0
+        return self.c[keep], inc[keep]
+
+
 def _lower_bound(
     m: int, L: int, assigned: Sequence[Any], rest: _Envelope, rest_c: float, complete: bool,
-    bound: float = math.inf,
+    bound: float = math.inf, stairs: Sequence[_Staircase] | None = None,
 ) -> float:
     """Iteration time no completion of `assigned` can beat.
 
     min over bottlenecks V >= V_lb of (m-1)*V + fill(V), where fill(V) is the cheapest way to
     place the L layers: each chosen option holds between k (one layer per stage) and
     k*min(cap1, floor(V/c)) layers at c each, the types not chosen yet hold at most rest(V)
-    at their cheapest per-layer cost `rest_c`. Stops early once it cannot go below `bound`.
+    at their cheapest per-layer cost `rest_c`, or, given their staircases, at most their steps
+    at the steps' costs. Between two bottlenecks at which the chosen options' or the rest's
+    capacity grows, the fill is taken at the interval's right end (it only falls with V).
+    Stops early once it cannot go below `bound`.
     """
     v = _bottleneck_lb(L, assigned, rest)
     if v == math.inf:
@@ -467,25 +514,13 @@ def _lower_bound(
     floor_fill = base + (L - sum(o.stages for o in assigned)) * min(
         [o.layer_s for o in assigned] + ([] if complete else [rest_c])
     )
+    use_stairs = stairs is not None and not complete
     best = math.inf
     v0 = v
     for _ in range(64):
         if (m - 1) * v + floor_fill >= min(best, bound):
             # No bottleneck from v on does better, and the ones below v could not place L layers.
             return min(best, (m - 1) * v + floor_fill)
-        # the cheapest fill under bottleneck v
-        left = L - sum(o.stages for o in assigned)
-        fill = base
-        items = sorted(
-            [(o.layer_s, o.stages * (min(o.cap1, math.floor(v / o.layer_s + 1e-9)) - 1)) for o in assigned]
-            + ([] if complete else [(rest_c, int(rest(v)))])
-        )
-        for c, room in items:
-            take = min(max(room, 0), left)
-            fill += take * c
-            left -= take
-        if left == 0:
-            best = min(best, (m - 1) * v + fill)
         # next bottleneck at which some capacity grows
         nxt = min(
             [(math.floor(v / o.layer_s + 1e-9) + 1) * o.layer_s for o in assigned
@@ -493,6 +528,36 @@ def _lower_bound(
             + ([] if complete else [float(x) for x in rest.xs[np.searchsorted(rest.xs, v, side="right"):][:1]]),
             default=math.inf,
         )
+        # the cheapest fill under bottleneck v (the rest's, by staircase, anywhere below nxt)
+        left = L - sum(o.stages for o in assigned)
+        if use_stairs:
+            cs = [np.array([o.layer_s for o in assigned])]
+            ns = [np.array([o.stages * (min(o.cap1, math.floor(v / o.layer_s + 1e-9)) - 1) for o in assigned])]
+            for st in stairs:
+                c_, n_ = st.steps(nxt)
+                cs.append(c_)
+                ns.append(n_)
+            c_all, n_all = np.concatenate(cs), np.maximum(np.concatenate(ns), 0)
+            order = np.argsort(c_all, kind="stable")
+            c_all, n_all = c_all[order], n_all[order]
+            cum = np.cumsum(n_all)
+            if len(cum) and cum[-1] >= left:
+                j = int(np.searchsorted(cum, left))
+                prev = int(cum[j - 1]) if j else 0
+                fill = base + float(c_all[:j] @ n_all[:j]) + float(c_all[j]) * (left - prev) if left else base
+                best = min(best, (m - 1) * v + fill)
+        else:
+            fill = base
+            items = sorted(
+                [(o.layer_s, o.stages * (min(o.cap1, math.floor(v / o.layer_s + 1e-9)) - 1)) for o in assigned]
+                + ([] if complete else [(rest_c, int(rest(v)))])
+            )
+            for c, room in items:
+                take = min(max(room, 0), left)
+                fill += take * c
+                left -= take
+            if left == 0:
+                best = min(best, (m - 1) * v + fill)
         if nxt == math.inf:
             break
         v = nxt
@@ -566,12 +631,78 @@ def _search_fast(
     top = _TopK(k)
     try:
         _greedy_incumbents(ctx, micro_batches, top, stats, deadline)
+        _local_search(ctx, micro_batches, top, stats, deadline)
     except _OutOfTime:
         stats.proved_optimal = False
         return top.sorted()
     _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=True)
     _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=False)
     return top.sorted()
+
+
+LOCAL_SEARCH_ROUNDS = 8
+
+
+def _solve(ctx: _Context, b: int, chosen: Sequence[Option], top: "_TopK", stats: SearchStats) -> bool:
+    """Solve one stage list's layer split exactly and offer it; True if it entered the top k."""
+    L, m = ctx.model.n_layers, ctx.global_batch // b
+    p = sum(o.stages for o in chosen)
+    if p > L:
+        return False
+    first = ctx.terms(b, chosen[0], True, p == 1, 1)
+    last = ctx.terms(b, chosen[-1], p == 1, True, 1)
+    e_first = first.fwd_end + first.bwd_end
+    e_last = 0.0 if p == 1 else last.fwd_end + last.bwd_end
+    if _leaf_bound(L, m, ctx.schedule, chosen, e_first, e_last) >= top.bound:
+        return False
+    leaf = _leaf(ctx, b, chosen)
+    if leaf is None:
+        return False
+    stats.configs_visited += 1
+    found = best_split(leaf, L, top.bound, stats)
+    if found is None:
+        return False
+    before = top.bound
+    top.push(Candidate(found[0], b, tuple(chosen), tuple(int(x) for x in found[1])))
+    return top.bound < before or len(top.heap) < top.k
+
+
+def _local_search(
+    ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float
+) -> None:
+    """Improve the incumbent by coordinate descent: change one chip type's option (or drop or add
+    the type), at the incumbent's micro-batch and its neighbours, while that helps. Heuristic:
+    it only makes the incumbent better, the branch and bound still proves the result."""
+    if not top.heap:
+        return
+    mbs = sorted(micro_batches)
+    for _ in range(LOCAL_SEARCH_ROUNDS):
+        best = top.sorted()[0]
+        improved = False
+        i = mbs.index(best.micro_batch)
+        for b in [best.micro_batch] + mbs[max(i - 1, 0):i] + mbs[i + 1:i + 2]:
+            per_type = ctx.type_options(b, prune_unfit=True)
+            by_key = [{(o.stages, o.data, o.tensor, o.recompute): o for o in opts} for opts in per_type]
+            cur: dict[int, Option] = {}
+            for o in best.options:
+                t = ctx.order.index(o.chip)
+                mapped = by_key[t].get((o.stages, o.data, o.tensor, o.recompute))
+                if mapped is not None:
+                    cur[t] = mapped
+            for t in range(len(per_type)):
+                for o in [None, *per_type[t]]:
+                    if time.perf_counter() > deadline:
+                        raise _OutOfTime
+                    trial = dict(cur)
+                    if o is None:
+                        trial.pop(t, None)
+                    else:
+                        trial[t] = o
+                    chosen = [trial[x] for x in sorted(trial)]
+                    if chosen and _solve(ctx, b, chosen, top, stats):
+                        cur, improved = trial, True
+        if not improved:
+            break
 
 
 GREEDY_MICRO_BATCHES = 4  # the most promising micro-batch sizes by root bound
@@ -705,12 +836,23 @@ def _branch_and_bound(
                 )
             return envs[key]
 
+        stair_cache: dict[tuple[int, int], _Staircase] = {}
+
+        def rest_stairs(t: int, f: int, per_type=per_type, cache=stair_cache) -> list[_Staircase]:
+            """Staircases of types 0..t-1, each stage holding >= f micro-batches."""
+            out = []
+            for i in range(t):
+                if (i, f) not in cache:
+                    cache[(i, f)] = _Staircase(per_type[i], L, f, None if gpipe else m)
+                out.append(cache[(i, f)])
+            return out
+
         f0 = m if gpipe else 1
-        root = _lower_bound(m, L, [], rest_env(n, f0), prefix[n][1], False)
-        roots.append((root, b, per_type, prefix, rest_env))
+        root = _lower_bound(m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0))
+        roots.append((root, b, per_type, prefix, rest_env, rest_stairs))
     roots.sort(key=lambda r: r[:2])  # most promising micro-batch first: a good incumbent early
 
-    for root_lb, b, per_type, prefix, rest_env in roots:
+    for root_lb, b, per_type, prefix, rest_env, rest_stairs in roots:
         if root_lb >= top.bound:
             continue
         m = ctx.global_batch // b
@@ -727,7 +869,7 @@ def _branch_and_bound(
             """Lower bound once types t.. are decided (chosen: pipeline order), types < t open."""
             units = _units(chosen, m, ctx.schedule)
             f = m if gpipe else min(n_stages + 1, m)
-            return _lower_bound(m, L, units, rest_env(t, f), prefix[t][1], t == 0, top.bound)
+            return _lower_bound(m, L, units, rest_env(t, f), prefix[t][1], t == 0, top.bound, rest_stairs(t, f))
 
         def visit(t: int, chosen: list[Option], n_stages: int) -> None:
             # t: the next type to decide (types t+1.. are decided; `chosen` in pipeline order)
