@@ -34,6 +34,8 @@ def shipped(time_limit: float) -> dict:
             "search_time_s": round(stats.search_time_s, 3),
             "wall_s": round(wall, 3),
             "proved_optimal": stats.proved_optimal,
+            "lower_bound_s": round(stats.lower_bound_s, 4),
+            "within_of_optimum": round(best.time_s / stats.lower_bound_s - 1, 4) if stats.lower_bound_s else None,
             "plans_evaluated": stats.plans_evaluated,
             "stage_lists_visited": stats.configs_visited,
             "space_size": stats.space_size,

@@ -118,6 +118,7 @@ def plan_cluster(
         configs_visited=stats.configs_visited,
         space_size=stats.space_size,
         proved_optimal=stats.proved_optimal,
+        lower_bound_s=stats.lower_bound_s,
         exhaustive=exhaustive,
     )
 

@@ -70,6 +70,7 @@ class Option:
     layer_static: float = 0.0  # bytes per layer: params, grads, optimizer state
     layer_activation: float = 0.0  # bytes per layer per micro-batch in flight
     cap1: int = 0  # max_layers(1), kept for the bounds
+    tail1: float = 0.0  # dp reduce + optimizer of one layer: every stage pays at least this tail
 
     def max_layers(self, in_flight: int) -> int:
         """Most layers a middle stage holds; end stages hold no more (upper bound)."""
@@ -109,6 +110,10 @@ class SearchStats:
     space_size: int = 0  # stage lists in the space (before layer splits)
     search_time_s: float = 0.0
     proved_optimal: bool = True  # False when a time limit stopped the search early
+    # A valid lower bound on the optimum's iteration time (the best root bound over micro-batch
+    # sizes; the optimum itself once proved): with a time limit, the plan is within
+    # time_s / lower_bound_s of the optimum.
+    lower_bound_s: float = 0.0
 
 
 # ----------------------------------------------------------------------------- the space
@@ -199,6 +204,7 @@ class _Context:
                         for k in range(1, min(L, count // (d * t)) + 1):
                             opts.append(Option(
                                 name, k, d, t, r, c, room, mid.mem.layer_static, mid.mem.layer_activation, cap1,
+                                mid.tail_layer,
                             ))
             opts.sort(key=lambda o: (-o.speed, o.chips, o.stages, o.data, o.tensor, o.recompute))
             out.append(opts)
@@ -352,25 +358,14 @@ class _Envelope:
 
         Options sharing a shape differ only in k, and k stages hold at most the sum of the
         first k per-position caps min(floor(v/c), cap(f_j)), which grows with k: the envelope
-        of a shape is that of its largest k, clipped at L, built vectorised."""
-        shapes: dict[tuple, Option] = {}
-        for o in options:
-            key = (o.data, o.tensor, o.recompute)
-            cur = shapes.get(key)
-            if cur is None or o.stages > cur.stages:
-                shapes[key] = o
-        pts_x, pts_h = [np.zeros(1)], [np.zeros(1)]
-        for o in shapes.values():
-            kmax = min(o.stages, L)
-            f = np.full(kmax, in_flight) if m is None else np.minimum(np.arange(in_flight, in_flight + kmax), m)
-            caps = np.minimum(np.floor(o.room / (o.layer_static + f * o.layer_activation) + 1e-9), min(o.cap1, L))
-            caps = caps[caps >= 1]
-            if not len(caps):
-                continue
-            j = np.arange(1, int(caps.max()) + 1)
-            pts_x.append(j * o.layer_s)
-            pts_h.append(np.minimum(np.minimum(j[:, None], caps[None, :]).sum(axis=1), L))
-        x, h = np.concatenate(pts_x), np.concatenate(pts_h)
+        of a shape is that of its largest k (see `_shape_tables`)."""
+        return cls.of_tables(*_shape_tables(options, L, in_flight, m))
+
+    @classmethod
+    def of_tables(cls, c: np.ndarray, table: np.ndarray) -> "_Envelope":
+        u = np.arange(1, table.shape[1])
+        x = np.concatenate([np.zeros(1), (c[:, None] * u[None, :]).ravel()])
+        h = np.concatenate([np.zeros(1), table[:, 1:].ravel().astype(float)])
         order = np.argsort(x, kind="stable")
         x, h = x[order], np.maximum.accumulate(h[order])
         keep = np.concatenate([[True], h[1:] > h[:-1]])
@@ -449,6 +444,36 @@ def _bottleneck_lb(L: int, assigned: Sequence[Any], rest: _Envelope) -> float:
     return v * (1 - 1e-9)  # stay below the split's own rounding
 
 
+def _shape_tables(options: Sequence[Option], L: int, in_flight: int, m: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per shape of `options` (its largest k): (per-layer cost c, table) where table[u] is the
+    most layers its stages hold with at most u layers each, the stages sitting at the pipeline
+    positions that hold in_flight, in_flight + 1, ... micro-batches (capped at m; all
+    `in_flight` when m is None, as under GPipe), clipped at L. Vectorised over shapes."""
+    shapes: dict[tuple, Option] = {}
+    for o in options:
+        key = (o.data, o.tensor, o.recompute)
+        if key not in shapes or o.stages > shapes[key].stages:
+            shapes[key] = o
+    if not shapes:
+        return np.zeros(0), np.zeros((0, 1), dtype=np.int64)
+    opts = list(shapes.values())
+    kmax = min(max(o.stages for o in opts), L)
+    j = np.arange(kmax)
+    f = np.full(kmax, in_flight) if m is None else np.minimum(in_flight + j, m)
+    room = np.array([o.room for o in opts])[:, None]
+    static = np.array([o.layer_static for o in opts])[:, None]
+    act = np.array([o.layer_activation for o in opts])[:, None]
+    limit = np.array([min(o.cap1, L) for o in opts])[:, None]
+    caps = np.minimum(np.floor(room / (static + f[None, :] * act) + 1e-9), limit)
+    caps[j[None, :] >= np.array([o.stages for o in opts])[:, None]] = 0  # stages it does not have
+    caps = np.maximum(caps, 0).astype(np.int64)
+    caps[caps < 1] = 0
+    umax = int(caps.max(initial=0))
+    u = np.arange(umax + 1)
+    table = np.minimum(np.minimum(u[None, :, None], caps[:, None, :]).sum(axis=2), L)
+    return np.array([o.layer_s for o in opts]), table
+
+
 class _Staircase:
     """The cheapest per-layer cost of a chip type's layers under a bottleneck v: its j-th
     layer costs at least the per-layer time of the cheapest shape that holds j layers under v
@@ -458,34 +483,16 @@ class _Staircase:
     so the cheapest `left` steps over all types bound the fill from below.
     """
 
-    def __init__(self, options: Sequence[Option], L: int, in_flight: int, m: int | None) -> None:
-        shapes: dict[tuple, Option] = {}
-        for o in options:
-            key = (o.data, o.tensor, o.recompute)
-            if key not in shapes or o.stages > shapes[key].stages:
-                shapes[key] = o
-        cs, tables = [], []
-        for o in shapes.values():
-            kmax = min(o.stages, L)
-            f = np.full(kmax, in_flight) if m is None else np.minimum(np.arange(in_flight, in_flight + kmax), m)
-            caps = np.minimum(np.floor(o.room / (o.layer_static + f * o.layer_activation) + 1e-9), min(o.cap1, L))
-            caps = caps[caps >= 1]
-            if not len(caps):
-                continue
-            u = np.arange(int(caps.max()) + 1)
-            cs.append(o.layer_s)
-            tables.append(np.minimum(np.minimum(u[:, None], caps[None, :]).sum(axis=1), L))
-        order = np.argsort(cs, kind="stable")
-        self.c = np.array(cs, dtype=float)[order]
-        width = max((len(t) for t in tables), default=1)
-        self.umax = np.array([len(t) - 1 for t in tables], dtype=np.int64)[order] if tables else np.zeros(0, np.int64)
-        self.tab = np.array([np.pad(t, (0, width - len(t)), mode="edge") for t in tables]).reshape(len(tables), width)[order]
-        self.rows = np.arange(len(tables))
+    def __init__(self, c: np.ndarray, table: np.ndarray) -> None:
+        order = np.argsort(c, kind="stable")
+        self.c, self.tab = c[order], table[order]
+        self.umax = self.tab.shape[1] - 1
+        self.rows = np.arange(len(self.c))
 
     def steps(self, v: float) -> tuple[np.ndarray, np.ndarray]:
         """(cost, count) of the steps under bottleneck v, costs ascending."""
         if not len(self.c):
-            return self.c, self.umax
+            return self.c, np.zeros(0, dtype=np.int64)
         u = np.minimum(np.floor(min(v, 1e30) / self.c + 1e-9), self.umax).astype(np.int64)
         held = np.maximum.accumulate(self.tab[self.rows, u])
         inc = np.diff(held, prepend=0)
@@ -590,7 +597,8 @@ def _leaf_bound(L: int, m: int, schedule: str, chosen: Sequence[Option], e_first
     if schedule == "gpipe":  # max f + max b >= max (f + b): the same bound holds
         pass
     fill = float(c.sum()) + (L - p) * float(c.min()) + e_first + e_last
-    return (m - 1) * float(values[lo]) * (1 - 1e-9) + fill
+    tail = max(o.tail1 for o in chosen)  # every stage's tail is at least its one layer's
+    return (m - 1) * float(values[lo]) * (1 - 1e-9) + fill + tail
 
 
 class _TopK:
@@ -637,7 +645,10 @@ def _search_fast(
         return top.sorted()
     _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=True)
     _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=False)
-    return top.sorted()
+    found = top.sorted()
+    if stats.proved_optimal and found:
+        stats.lower_bound_s = found[0].time_s
+    return found
 
 
 LOCAL_SEARCH_ROUNDS = 8
@@ -648,6 +659,9 @@ def _solve(ctx: _Context, b: int, chosen: Sequence[Option], top: "_TopK", stats:
     L, m = ctx.model.n_layers, ctx.global_batch // b
     p = sum(o.stages for o in chosen)
     if p > L:
+        return False
+    # the bottleneck is at least the continuous balance L / sum(k/c); every stage runs a layer
+    if (m - 1) * L / sum(o.speed for o in chosen) + sum(o.stages * o.layer_s for o in chosen) >= top.bound:
         return False
     first = ctx.terms(b, chosen[0], True, p == 1, 1)
     last = ctx.terms(b, chosen[-1], p == 1, True, 1)
@@ -826,24 +840,28 @@ def _branch_and_bound(
         # prefix[t]: (speed, cheapest per-layer cost) of types 0..t-1, the ones before type t
         prefix = [(sum(best_speed[:t]), min(cheapest[:t], default=math.inf)) for t in range(n + 1)]
         envs: dict[tuple[int, int], _Envelope] = {}
+        tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-        def rest_env(t: int, f: int, per_type=per_type, envs=envs) -> _Envelope:
+        def table(i: int, f: int, per_type=per_type, tables=tables, m=m) -> tuple[np.ndarray, np.ndarray]:
+            if (i, f) not in tables:
+                tables[(i, f)] = _shape_tables(per_type[i], L, f, None if gpipe else m)
+            return tables[(i, f)]
+
+        def rest_env(t: int, f: int, envs=envs, table=table) -> _Envelope:
             """The most layers types 0..t-1 hold under a bottleneck, each stage >= f in flight."""
             key = (t, f)
             if key not in envs:
-                envs[key] = _Envelope.zero() if t == 0 else (
-                    rest_env(t - 1, f) + _Envelope.of_options(per_type[t - 1], L, f, None if gpipe else m)
-                )
+                envs[key] = _Envelope.zero() if t == 0 else rest_env(t - 1, f) + _Envelope.of_tables(*table(t - 1, f))
             return envs[key]
 
         stair_cache: dict[tuple[int, int], _Staircase] = {}
 
-        def rest_stairs(t: int, f: int, per_type=per_type, cache=stair_cache) -> list[_Staircase]:
+        def rest_stairs(t: int, f: int, cache=stair_cache, table=table) -> list[_Staircase]:
             """Staircases of types 0..t-1, each stage holding >= f micro-batches."""
             out = []
             for i in range(t):
                 if (i, f) not in cache:
-                    cache[(i, f)] = _Staircase(per_type[i], L, f, None if gpipe else m)
+                    cache[(i, f)] = _Staircase(*table(i, f))
                 out.append(cache[(i, f)])
             return out
 
@@ -851,6 +869,8 @@ def _branch_and_bound(
         root = _lower_bound(m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0))
         roots.append((root, b, per_type, prefix, rest_env, rest_stairs))
     roots.sort(key=lambda r: r[:2])  # most promising micro-batch first: a good incumbent early
+    if not seed:
+        stats.lower_bound_s = min((r[0] for r in roots), default=math.inf)
 
     for root_lb, b, per_type, prefix, rest_env, rest_stairs in roots:
         if root_lb >= top.bound:
@@ -869,7 +889,10 @@ def _branch_and_bound(
             """Lower bound once types t.. are decided (chosen: pipeline order), types < t open."""
             units = _units(chosen, m, ctx.schedule)
             f = m if gpipe else min(n_stages + 1, m)
-            return _lower_bound(m, L, units, rest_env(t, f), prefix[t][1], t == 0, top.bound, rest_stairs(t, f))
+            tail = max((o.tail1 for o in chosen), default=0.0)  # the max of the stages' tails
+            return tail + _lower_bound(
+                m, L, units, rest_env(t, f), prefix[t][1], t == 0, top.bound - tail, rest_stairs(t, f)
+            )
 
         def visit(t: int, chosen: list[Option], n_stages: int) -> None:
             # t: the next type to decide (types t+1.. are decided; `chosen` in pipeline order)
@@ -1044,6 +1067,8 @@ def top_k(
     t0 = time.perf_counter()
     if exhaustive:
         found = _search_exhaustive(ctx, mbs, k, stats)
+        if found:
+            stats.lower_bound_s = found[0].time_s
     else:
         deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
         found = _search_fast(ctx, mbs, k, stats, deadline)
