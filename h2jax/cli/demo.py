@@ -1,47 +1,164 @@
-"""`h2jax demo`: train the checked-in heterogeneous-layout plan on forced CPU devices."""
+"""`h2jax demo`: the whole story in one command, on one machine. A shipped cluster of three
+EMULATED chip types (fast with little memory, in between, slow with much memory; all on this
+machine's CPU backend) is profiled, planned with HeteroAuto, trained with a progress bar, and
+reported: predicted against measured step time, and the HeteroSpeedupRatio measured against
+the same chips run homogeneously (each type alone, planned alone) at the same global batch."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
+from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
 from h2jax.cli._jaxsetup import force_cpu_devices
 from h2jax.cli.progress import training_progress
 from h2jax.cli.show import plan_table
-from h2jax.cluster import REPO_ROOT
-from h2jax.plan import load_plan
+from h2jax.cluster import REPO_ROOT, load_cluster
 
-DEMO_PLAN = REPO_ROOT / "plans" / "demo.json"
+DEMO_CLUSTER = REPO_ROOT / "plans" / "cluster-emu-3type.toml"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "h2jax" / "jax"
+
+
+MAX_REPLANS = 3
+
+
+def with_memory_scaled(cluster, chip_name: str, factor: float):
+    """`cluster` with one chip type's usable memory (as the planner sees it) times `factor`."""
+    import dataclasses
+
+    from h2jax.cluster import ChipGroup, Cluster, Emulation
+
+    groups = []
+    for g in cluster.groups:
+        chip = g.chip
+        if chip.name == chip_name:
+            if chip.emulate is not None:
+                chip = dataclasses.replace(chip, emulate=Emulation(chip.emulate.slowdown, chip.emulate.memory_gib * factor))
+            else:
+                chip = dataclasses.replace(chip, memory_gib=chip.memory_gib * factor)
+        groups.append(ChipGroup(chip, g.count))
+    return Cluster(tuple(groups), cluster.name)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="train a small model on a heterogeneous pipeline of CPU devices",
+    p = sub.add_parser("demo", help="profile, plan, train and report a heterogeneous (emulated) cluster",
                        description=__doc__)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    p.add_argument("--plan", default=str(DEMO_PLAN), help="plan file (default: plans/demo.json)")
+    p.add_argument("--cluster", default=str(DEMO_CLUSTER), help="cluster file (default: the emulated 3-type one)")
+    p.add_argument("--model", default="small", help="model preset (default small)")
+    p.add_argument("--seq-len", type=int, default=32, help="sequence length (default 32)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--steps", type=int, default=20, help="training steps of the planned run (default 20)")
+    p.add_argument("--baseline-steps", type=int, default=3,
+                   help="steps of each homogeneous run; its step time is the median after the first (default 4)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     console = Console()
-    plan = load_plan(args.plan)
-    force_cpu_devices(plan.n_devices)
+    t_start = time.perf_counter()
+    cluster = load_cluster(args.cluster)
+    force_cpu_devices(cluster.n_chips)
+    # XLA's CPU compile dominates a short run; compile fast and keep what was compiled.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(CACHE))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+    from h2jax.planner import Baseline, hetero_speedup_ratio, plan_cluster
+    from h2jax.profiler import profile_chips
+    from h2jax.runtime.memory import StageMemoryError
     from h2jax.runtime.train import run
 
-    console.print(f"[bold]h2jax demo[/]: model {plan.model_name or 'custom'} "
-                  f"({plan.model.param_count() / 1e6:.2f}M parameters) as a {plan.n_stages}-stage "
-                  f"pipeline on {plan.n_devices} forced CPU devices, each stage on its own mesh")
-    console.print(plan_table(plan))
-    console.print("Training on the Python standard library's own source code (byte-level tokens)...")
-    with training_progress(args.steps, plan.tokens_per_step, plan.n_devices) as on_step:
-        result = run(plan, args.steps, on_step=on_step)
+    emulated = [c for c in cluster.chips.values() if c.is_emulated]
+    console.print(f"[bold]h2jax demo[/]: model {args.model} on cluster {cluster.name} ({cluster.n_chips} chips)")
+    if emulated:
+        console.print("[yellow]EMULATED chips[/]: " + ", ".join(
+            f"{c.name} x{count} ({c.emulate.slowdown:g}x slower than this CPU, {c.emulate.memory_gib * 1024:.0f} MiB)"
+            for c, count in ((c, cluster.counts[c.name]) for c in emulated)
+        ) + ". Every time below is host CPU compute stretched by waiting.")
+
+    console.print("1. Profiling one layer per chip type on its backend (h2jax profile)...")
+    # One sequence per micro-batch and per device: every stage is one emulated chip, the shape
+    # whose time the clocks emulate faithfully (the devices of a data-parallel stage would
+    # share this host's cores, which the chips they stand for do not).
+    profile, raw = profile_chips(list(cluster.chips), args.model, args.seq_len, (1,), (1,), repeats=5, warmup=2)
+    for name, ms in raw.items():
+        m = ms[0]
+        chip = cluster.chips[name]
+        s = chip.emulate.slowdown if chip.is_emulated else 1.0
+        console.print(f"   {name}: one layer, {m.tokens} tokens: forward {m.forward_s * s * 1e3:.1f} ms, "
+                      f"backward {m.backward_s * s * 1e3:.1f} ms"
+                      + (f" (host {m.forward_s * 1e3:.1f} + {m.backward_s * 1e3:.1f} ms x {s:g})" if s != 1 else ""))
+
+    console.print(f"   ({time.perf_counter() - t_start:.0f} s)")
+    console.print("2. Planning with HeteroAuto on the measured profile (h2jax plan)...")
+    # The runtime keeps optimizer state replicated over `data` (no ZeRO-1 yet) and the profile
+    # measured recompute "none": plan for exactly that, so the plan's memory is the runtime's.
+    planning = cluster
+    for attempt in range(MAX_REPLANS + 1):
+        result = plan_cluster(planning, args.model, args.seq_len, args.global_batch, profile=profile,
+                              shard_optimizer=False, recompute=("none",), micro_batches=(1,))
+        plan = result.plan
+        console.print(plan_table(plan, title=f"HeteroAuto plan: {plan.n_stages} stages, {plan.n_micro} "
+                                 f"micro-batches of {plan.micro_batch} x {plan.seq_len} tokens, {plan.schedule}"))
+        if attempt == 0:
+            console.print(f"3. Training {args.steps} steps on the Python standard library's source (byte tokens)...")
+        try:
+            with training_progress(args.steps, plan.tokens_per_step, cluster.n_chips, label="mixed") as on_step:
+                mixed = run(plan, args.steps, on_step=on_step)
+            break
+        except StageMemoryError as e:
+            if attempt == MAX_REPLANS:
+                raise
+            # The compiled stage needs more than the planner's memory model said: re-plan with
+            # that chip type's memory scaled down by the measured shortfall (the run is unchanged).
+            planning = with_memory_scaled(planning, e.chip, e.capacity_bytes / e.needed_bytes)
+            console.print(f"   [yellow]refused before running[/]: stages[{e.stage}] needs {e.needed_bytes:,} B on "
+                          f"{e.chip} ({e.capacity_bytes:,} B); re-planning with {e.chip}'s memory x "
+                          f"{e.capacity_bytes / e.needed_bytes:.3f}")
+    console.print(f"   loss {mixed.losses[0]:.3f} -> {mixed.losses[-1]:.3f} ({time.perf_counter() - t_start:.0f} s)")
+
+    console.print("4. Each chip type alone, planned alone, at the same global batch "
+                  f"({args.global_batch} x {args.seq_len} tokens)...")
+    measured: dict[str, Baseline] = {}
+    for name, base in result.baselines.items():
+        if base.plan is None:
+            console.print(f"   {name}: cannot train the model alone ({base.reason})")
+            measured[name] = base
+            continue
+        with training_progress(args.baseline_steps, base.plan.tokens_per_step, base.chips, label=name) as on_step:
+            alone = run(base.plan, args.baseline_steps, on_step=on_step)
+        measured[name] = Baseline(name, base.chips, base.global_batch, alone.tokens_per_s,
+                                  alone.step_time_s, base.plan)
+
+    ratio = hetero_speedup_ratio(mixed.tokens_per_s, measured)
+    table = Table(title="predicted (HeteroAuto, profiled) vs measured" + (" — EMULATED chips" if emulated else ""))
+    for col in ("run", "chips", "stages", "step s (pred.)", "step s (measured)", "tokens/s", "tokens/chip/s"):
+        table.add_column(col)
+    table.add_row("mixed", str(cluster.n_chips), str(plan.n_stages), f"{plan.predicted['iteration_time_s']:.3f}",
+                  f"{mixed.step_time_s:.3f}", f"{mixed.tokens_per_s:,.0f}", f"{mixed.tokens_per_chip_s:,.1f}")
+    for name, b in measured.items():
+        pred = result.baselines[name].iteration_time_s
+        table.add_row(f"{name} alone", str(b.chips), str(b.plan.n_stages) if b.plan else "-",
+                      "-" if pred is None else f"{pred:.3f}",
+                      "-" if b.iteration_time_s is None else f"{b.iteration_time_s:.3f}",
+                      f"{b.tokens_per_s:,.0f}", f"{b.tgs:,.1f}")
+    console.print(table)
+    predicted_ratio = plan.predicted.get("hetero_speedup_ratio")
     console.print(
-        f"Trained {args.steps} steps: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} "
-        f"({result.step_time_s * 1e3:.0f} ms/step, {result.tokens_per_s:,.0f} tokens/s, "
-        f"{result.tokens_per_chip_s:,.0f} tokens/chip/s)."
+        f"HeteroSpeedupRatio (measured, same global batch) = mixed tokens/s / sum of each type alone = "
+        + ("n/a (no chip type trains the model alone)" if ratio is None else f"[bold]{ratio:.3f}[/]")
+        + ("" if predicted_ratio is None else f"  (predicted {predicted_ratio:.3f})")
     )
-    if not result.losses[-1] < result.losses[0]:
+    if emulated:
+        console.print("[yellow]All figures are from EMULATED chips on this machine's CPU.[/]")
+    console.print(f"demo finished in {time.perf_counter() - t_start:.0f} s")
+    if not mixed.losses[-1] < mixed.losses[0]:
         console.print("[red]the loss did not fall[/]")
         return 1
     return 0

@@ -17,8 +17,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from h2jax import schedule as sched
+from h2jax.cluster import ChipType, load_chip
 from h2jax.model import StageModel
 from h2jax.plan import Plan
+from h2jax.runtime.emulation import StageClock
+from h2jax.runtime.memory import StageMemory
 from h2jax.runtime.optim import apply_clipped_update, make_optimizer, squared_norm
 from h2jax.sharding import (
     BOUNDARY_AXES,
@@ -46,12 +50,42 @@ def _zeros_f32(tree):
     return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
 
 
+def _cast_floats(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def boundary_dtype(plan: Plan) -> str:
+    """Dtype of activations crossing stage boundaries: the chips' common compute dtype, or
+    float32 when their policies differ (both sides cast; one dtype for every transport)."""
+    dtypes = {load_chip(s.chip).precision.compute_dtype for s in plan.stages}
+    return dtypes.pop() if len(dtypes) == 1 else "float32"
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
 class StageExecutor:
     """Runs stage `index` of `plan` on `devices` (a list of jax devices, data-major)."""
 
-    def __init__(self, plan: Plan, index: int, devices: list, *, precision=None, param_dtype="float32"):
+    def __init__(
+        self, plan: Plan, index: int, devices: list, *, precision=None, param_dtype=None,
+        compute_dtype=None, clock: StageClock | None = None, check_memory: bool = True,
+    ):
+        """Numerics default to the stage chip's [precision] policy; `clock` (see
+        h2jax.runtime.emulation) times each compute. The steps are compiled before anything
+        is allocated and, with `check_memory`, a stage that does not fit its chip is refused."""
         stage = plan.stages[index]
         self.plan, self.index, self.stage = plan, index, stage
+        self.chip: ChipType = load_chip(stage.chip)
+        numerics = self.chip.precision
+        precision = numerics.matmul_precision if precision is None else precision
+        self.param_dtype = _dtype(param_dtype or numerics.param_dtype)
+        self.compute_dtype = _dtype(compute_dtype or numerics.compute_dtype)
+        self.boundary_dtype = _dtype(boundary_dtype(plan))
+        # The pipeline connects its transport with this dtype: boundary arrays, not parameters.
+        self.params_dtype = self.boundary_dtype
+        self.clock = clock
         self.is_first, self.is_last = index == 0, index == plan.n_stages - 1
         self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
         cfg = plan.model
@@ -61,7 +95,7 @@ class StageExecutor:
         def build() -> StageModel:
             return StageModel(
                 cfg, start, end, plan.seed,
-                dtype=_dtype(param_dtype), precision=precision, remat_policy=policy,
+                dtype=self.param_dtype, precision=precision, remat_policy=policy,
             )
 
         self.graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
@@ -82,12 +116,6 @@ class StageExecutor:
             params = nnx.to_pure_dict(nnx.state(build()))
             return params, self.tx.init(params), _zeros_f32(params)
 
-        # Shape first, then one compiled init straight into the sharded layout: no stage
-        # ever materializes a parameter on a single device.
-        self.params, self.opt_state, self.grad_acc = jax.jit(
-            init, out_shardings=(self.param_sharding, self.opt_sharding, self.param_sharding)
-        )()
-        self.params_dtype = _dtype(param_dtype)
         # In a stage spanning several processes (one jax.distributed group per stage) only
         # the group's first process speaks for the stage in cross-stage collectives.
         self.is_stage_leader = jax.process_index() == 0
@@ -98,17 +126,30 @@ class StageExecutor:
         self._hidden_sharding = named(self.mesh, HIDDEN_AXES)
         self._compile()
 
+        init_jit = jax.jit(init, out_shardings=(self.param_sharding, self.opt_sharding, self.param_sharding))
+        self._abstract_state = _abstract(
+            jax.eval_shape(init_jit), (self.param_sharding, self.opt_sharding, self.param_sharding)
+        )
+        self.memory = self.compiled_memory()
+        if check_memory and self.memory is not None:
+            self.memory.check(self)
+        # Shape first, then one compiled init straight into the sharded layout: no stage
+        # ever materializes a parameter on a single device.
+        self.params, self.opt_state, self.grad_acc = init_jit()
+
     # ------------------------------------------------------------------ compiled steps
 
     def _apply(self, params, x, labels):
-        model = nnx.merge(self.graphdef, params)
+        # Mixed precision: parameters are kept in param_dtype and cast for the math; their
+        # gradients flow back through the cast in param_dtype.
+        model = nnx.merge(self.graphdef, _cast_floats(params, self.compute_dtype))
         if not self.is_first:
             # The boundary activation arrives split over `tensor`; gather it here, inside the
             # compiled step, over this stage's fast links.
-            x = jax.lax.with_sharding_constraint(x, self._hidden_sharding)
+            x = jax.lax.with_sharding_constraint(x, self._hidden_sharding).astype(self.compute_dtype)
         out = model(x, labels)
         if not self.is_last:
-            out = jax.lax.with_sharding_constraint(out, self.boundary_sharding)
+            out = jax.lax.with_sharding_constraint(out.astype(self.boundary_dtype), self.boundary_sharding)
         return out
 
     def _vjp(self, params, x, labels):
@@ -169,36 +210,87 @@ class StageExecutor:
             out_shardings=(self.param_sharding, self.opt_sharding, self.param_sharding),
         )
 
+    def compiled_memory(self) -> StageMemory | None:
+        """Compile forward, backward and update ahead of time for this stage's exact input
+        layouts (the later calls reuse these executables) and read their memory analyses."""
+        params, opt_state, acc = self._abstract_state
+        mb, seq, d = self.plan.micro_batch, self.plan.seq_len, self.plan.model.d_model
+        if self.is_first:
+            x = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=self.input_sharding)
+        else:
+            x = jax.ShapeDtypeStruct((mb, seq, d), self.boundary_dtype, sharding=self.input_sharding)
+        labels = jax.ShapeDtypeStruct((mb, seq), jnp.int32, sharding=self.labels_sharding) if self.is_last else None
+        if self.is_last:
+            dy = jax.ShapeDtypeStruct((), jnp.float32)
+        else:
+            dy = jax.ShapeDtypeStruct((mb, seq, d), self.boundary_dtype, sharding=self.boundary_sharding)
+        norm = jax.ShapeDtypeStruct((), jnp.float32)
+        update = self._update.lower(params, opt_state, acc, norm).compile()
+        fused, split = self._micro_batch_programs()
+        steps, held, forward = [], (), None
+        if fused:
+            steps.append(self._forward_backward.lower(acc, params, x, labels, dy).compile())
+        if split:
+            forward = self._forward.lower(params, x, labels).compile()
+            if self.stage.recompute == "full":
+                backward = self._backward.lower(acc, params, x, labels, dy).compile()
+                held = (x, labels)  # the saved input, re-run in the backward
+            else:
+                _, held = forward.out_info  # the forward returns (output, vjp closure)
+                backward = self._backward.lower(acc, held, dy).compile()
+            steps += [forward, backward]
+        actions = sched.stage_actions(self.plan.schedule, self.index, self.plan.n_stages, self.plan.n_micro)
+        in_flight = sched.max_in_flight(actions) if split else 0
+        return StageMemory.of(self, update, steps, held, in_flight, forward)
+
+    def _micro_batch_programs(self) -> tuple[bool, bool]:
+        """(fused, split): whether the pipeline runs forward_backward (a last-stage forward k
+        directly followed by its backward k; see Pipeline._backward_follows) and whether it
+        runs separate forward and backward, for this stage's schedule."""
+        actions = sched.stage_actions(self.plan.schedule, self.index, self.plan.n_stages, self.plan.n_micro)
+        forwards = [i for i, a in enumerate(actions) if a.kind == sched.F]
+        follows = [
+            self.is_last and i + 1 < len(actions) and actions[i + 1].kind == sched.B
+            and actions[i + 1].micro == actions[i].micro
+            for i in forwards
+        ]
+        return any(follows), not all(follows)
+
     # ------------------------------------------------------------------ the runtime's calls
+
+    def _run(self, fn, *args):
+        return fn(*args) if self.clock is None else self.clock.run(fn, *args)
 
     def forward(self, x, labels=None) -> tuple[Any, Any]:
         """(output, saved): output is the boundary activation, or the loss on the last stage;
         `saved` is what backward needs (residuals, or the input under full recompute)."""
         if self.stage.recompute == "full":
-            return self._forward(self.params, x, labels), (x, labels)
-        return self._forward(self.params, x, labels)
+            return self._run(self._forward, self.params, x, labels), (x, labels)
+        return self._run(self._forward, self.params, x, labels)
 
     def backward(self, saved, dy):
         """Accumulates this micro-batch's parameter gradients; returns the input gradient."""
         if self.stage.recompute == "full":
             x, labels = saved
-            self.grad_acc, dx = self._backward(self.grad_acc, self.params, x, labels, dy)
+            self.grad_acc, dx = self._run(self._backward, self.grad_acc, self.params, x, labels, dy)
         else:
-            self.grad_acc, dx = self._backward(self.grad_acc, saved, dy)
+            self.grad_acc, dx = self._run(self._backward, self.grad_acc, saved, dy)
         return dx
 
     def forward_backward(self, x, labels, dy):
         """forward then backward of one micro-batch in one program: (output, input gradient)."""
-        out, self.grad_acc, dx = self._forward_backward(self.grad_acc, self.params, x, labels, dy)
+        out, self.grad_acc, dx = self._run(self._forward_backward, self.grad_acc, self.params, x, labels, dy)
         return out, dx
 
     def grad_squared_norm(self) -> float:
+        if self.clock is not None:
+            self.clock.wait()  # known only once this stage's chip has finished its backward
         return float(self._sq_norm(self.grad_acc))
 
     def update(self, global_norm: float) -> None:
         """One optimizer step with the gradients accumulated since the last one."""
-        self.params, self.opt_state, self.grad_acc = self._update(
-            self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
+        self.params, self.opt_state, self.grad_acc = self._run(
+            self._update, self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
         )
 
 

@@ -24,6 +24,15 @@ class RunResult:
     n_chips: int
     params: dict | None = None  # flat {name: numpy array} of the stages this process ran
     grad_norms: list[float] = dataclasses.field(default_factory=list)
+    emulated: dict[str, float] = dataclasses.field(default_factory=dict)  # chip type -> slowdown
+
+    @property
+    def emulation_note(self) -> str:
+        """'' for real chips; otherwise says which figures come from emulated chips."""
+        if not self.emulated:
+            return ""
+        chips = ", ".join(f"{c} x{s:g} slowdown" for c, s in self.emulated.items())
+        return f"EMULATED chips ({chips}; times are host CPU compute stretched by waiting)"
 
     @property
     def step_time_s(self) -> float:
@@ -46,6 +55,7 @@ class RunResult:
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_chip_per_s": self.tokens_per_chip_s,
             "grad_norms": self.grad_norms,
+            "emulated": self.emulated,
         }
 
 
@@ -53,10 +63,36 @@ def default_dataset(plan: Plan) -> TokenDataset:
     return TokenDataset(stdlib_corpus(), plan.seq_len, seed=plan.seed)
 
 
-class Trainer:
-    """The stages of `plan` this process runs, wired through `transport`."""
+def place_stages(plan: Plan, stages: list[int]) -> dict[int, list]:
+    """Stage index -> its local devices, each stage on its chip type's platform (a plan may
+    mix platforms: a `cuda` stage and a `cpu` stage in one process)."""
+    from h2jax.backends import platform_devices, select_platforms
+    from h2jax.runtime.devices import assign_devices
 
-    def __init__(self, plan: Plan, transport: Transport | None = None, stages: list[int] | None = None, devices=None):
+    backends = select_platforms(plan.stages[i].chip for i in stages)
+    by_platform: dict[str, list[int]] = {}
+    for i in stages:
+        by_platform.setdefault(backends[plan.stages[i].chip].jax_platform, []).append(i)
+    placement: dict[int, list] = {}
+    for platform, idx in by_platform.items():
+        backend = next(b for b in backends.values() if b.jax_platform == platform)
+        sub = assign_devices(plan.with_stages([plan.stages[i] for i in idx]), platform_devices(backend))
+        placement.update({i: sub[k] for k, i in enumerate(idx)})
+    return placement
+
+
+class Trainer:
+    """The stages of `plan` this process runs, wired through `transport`.
+
+    `emulate_time=False` runs emulated chip types at host speed (their precision policy and
+    memory cap still apply), e.g. for numerics-only checks."""
+
+    def __init__(
+        self, plan: Plan, transport: Transport | None = None, stages: list[int] | None = None,
+        devices=None, *, emulate_time: bool = True,
+    ):
+        from h2jax.cluster import load_chip
+        from h2jax.runtime.emulation import ClockedTransport, StageClock
         from h2jax.runtime.devices import assign_devices
         from h2jax.runtime.pipeline import Pipeline
         from h2jax.runtime.stage import StageExecutor
@@ -65,12 +101,34 @@ class Trainer:
         self.plan = plan
         self.transport = transport or LocalTransport()
         stages = list(range(plan.n_stages)) if stages is None else stages
-        placement = assign_devices(plan, devices) if devices is None or isinstance(devices, list) else devices
-        self.executors = {i: StageExecutor(plan, i, placement[i]) for i in stages}
+        if devices is None:
+            placement = place_stages(plan, stages)
+        else:
+            placement = assign_devices(plan, devices) if isinstance(devices, list) else devices
+        chips = {i: load_chip(plan.stages[i].chip) for i in stages}
+        self.emulated = {
+            c.name: c.emulate.slowdown for c in chips.values() if c.is_emulated and emulate_time
+        }
+        self.clocks: dict[int, StageClock] = {}
+        if self.emulated:
+            # Every local stage gets a clock (slowdown 1 on a real chip) so that times compose;
+            # a process that runs one stage waits right after each compute (see emulation.py).
+            defer = len(stages) > 1
+            self.clocks = {
+                i: StageClock(c.emulate.slowdown if c.name in self.emulated else 1.0, defer)
+                for i, c in chips.items()
+            }
+            self.transport = ClockedTransport(self.transport, self.clocks)
+        self.executors = {
+            i: StageExecutor(plan, i, placement[i], clock=self.clocks.get(i)) for i in stages
+        }
         self.pipeline = Pipeline(plan, self.transport, self.executors)
 
     def step(self, tokens: np.ndarray) -> float:
-        return self.pipeline.step(tokens)
+        loss = self.pipeline.step(tokens)
+        for clock in self.clocks.values():  # the step ends when every emulated chip is done
+            clock.wait()
+        return loss
 
     def params_numpy(self) -> dict:
         from h2jax.sharding import flatten_params
@@ -113,6 +171,7 @@ def run(
     unpipelined: bool = False,
     on_step: Callable[[int, float, float], None] | None = None,
     return_params: bool = False,
+    emulate_time: bool = True,
 ) -> RunResult:
     """Train `plan` for `steps` optimizer steps; `unpipelined=True` runs the reference."""
     plan = load_plan(plan) if isinstance(plan, str) else plan
@@ -130,12 +189,12 @@ def run(
 
             params = flatten_params(model.params_numpy())
         return RunResult(losses, times, plan.tokens_per_step, 1, params, norms)
-    trainer = Trainer(plan, transport)
+    trainer = Trainer(plan, transport, emulate_time=emulate_time)
     losses, times, norms = train(
         trainer.step, plan, dataset, steps, on_step=on_step,
         grad_norm=lambda: trainer.pipeline.last_grad_norm,
     )
     return RunResult(
         losses, times, plan.tokens_per_step, plan.n_devices,
-        trainer.params_numpy() if return_params else None, norms,
+        trainer.params_numpy() if return_params else None, norms, trainer.emulated,
     )

@@ -1,0 +1,189 @@
+"""Measure per-layer forward and backward time and memory on a real backend: the profile file
+the planner reads in place of its analytical figures (format: h2jax.planner.profile).
+
+One measurement is one transformer layer as a middle pipeline stage (no embedding, no head)
+on a `(data=1, tensor=T)` mesh of the chip's platform, compiled exactly as the runtime
+compiles it (h2jax.runtime.stage), so tensor-parallel collectives are inside the time.
+Times are medians of repeated runs after warm-up; `activation_bytes` is what the layer keeps
+per micro-batch between its forward and backward, from XLA's memory analysis.
+
+An emulated chip type runs on the host CPU: its times are the host's, stretched by its
+`slowdown` (what the runtime's emulation does), and its entries are labelled so. Chip types
+with the same platform and precision policy share one measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from h2jax.cluster import ChipType, load_chip
+from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
+from h2jax.plan import Mesh, Plan, Stage
+from h2jax.planner.profile import Profile, ProfileEntry, load_profile
+from h2jax.runtime.memory import GIB
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Measurement:
+    """One layer on one (tensor, micro-batch) shape, on the host backend, unstretched."""
+
+    tensor: int
+    micro_batch: int
+    tokens: int
+    forward_s: float
+    backward_s: float
+    activation_bytes: int | None  # kept per micro-batch between forward and backward
+    needed_bytes: int | None  # the one-layer stage's peak per device (h2jax.runtime.memory)
+    recompute: str = "none"
+
+
+def one_layer_plan(chip: str, model: ModelConfig, seq_len: int, tensor: int, micro_batch: int, recompute: str) -> Plan:
+    """A 3-stage plan whose middle stage is one layer on a (1, tensor) mesh: a pure layer."""
+    if model.n_layers < 3:
+        raise ConfigError(
+            f"h2jax profile measures one middle layer and needs a model with >= 3 layers; "
+            f"this one has {model.n_layers}"
+        )
+    model.check_tensor_parallel(tensor, "profile --tensor")
+    stages = (
+        Stage(chip, Mesh(1, 1), (0, 1)),
+        Stage(chip, Mesh(1, tensor), (1, 2), recompute),
+        Stage(chip, Mesh(1, 1), (2, model.n_layers)),
+    )
+    return Plan(model, seq_len, micro_batch, micro_batch, stages, model_name=preset_name(model))
+
+
+def _median_time(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_layer(
+    chip: ChipType, model: ModelConfig, seq_len: int, tensor: int, micro_batch: int,
+    devices: list, recompute: str = "none", repeats: int = 5, warmup: int = 2,
+) -> Measurement:
+    """Time one layer's forward and backward (median of `repeats` after `warmup`)."""
+    import jax
+
+    from h2jax.runtime.stage import StageExecutor
+
+    plan = one_layer_plan(chip.name, model, seq_len, tensor, micro_batch, recompute)
+    ex = StageExecutor(plan, 1, devices[:tensor], check_memory=False)
+    rng = np.random.default_rng(0)
+    shape = (micro_batch, seq_len, model.d_model)
+    x = jax.device_put(rng.normal(size=shape).astype(ex.boundary_dtype), ex.input_sharding)
+    dy = jax.device_put(rng.normal(size=shape).astype(ex.boundary_dtype), ex.boundary_sharding)
+    forward_s = _median_time(lambda: ex.forward(x), repeats, warmup)
+    backward_times = []
+    for i in range(warmup + repeats):
+        _, saved = ex.forward(x)
+        jax.block_until_ready(saved)
+        t0 = time.perf_counter()
+        jax.block_until_ready(ex.backward(saved, dy))
+        backward_times.append(time.perf_counter() - t0)
+    backward_s = statistics.median(backward_times[warmup:])
+    mem = ex.memory
+    return Measurement(
+        tensor, micro_batch, micro_batch * seq_len, forward_s, backward_s,
+        None if mem is None else mem.per_micro_batch_bytes,
+        None if mem is None else mem.needed_bytes, recompute,
+    )
+
+
+def refusal(chip: ChipType, m: Measurement) -> str | None:
+    """Why one layer of this shape cannot run on `chip` (its memory), or None."""
+    capacity = int(chip.usable_memory_gib * GIB)
+    if m.needed_bytes is None or m.needed_bytes <= capacity:
+        return None
+    return (f"one layer at tensor={m.tensor}, micro-batch {m.micro_batch} needs {m.needed_bytes:,} bytes "
+            f"per device; {chip.name} has {capacity:,}")
+
+
+def _policy_key(chip: ChipType) -> tuple:
+    """Emulated chip types with one precision policy are the same host computation."""
+    return (chip.platform, dataclasses.astuple(chip.precision), None if chip.is_emulated else chip.name)
+
+
+def profile_chips(
+    chip_names: Sequence[str],
+    model: str | ModelConfig,
+    seq_len: int,
+    tensors: Iterable[int] = (1,),
+    micro_batches: Iterable[int] = (1,),
+    recompute: Iterable[str] = ("none",),
+    repeats: int = 5,
+    warmup: int = 2,
+    on_measure: Callable[[str, Measurement, str | None], None] | None = None,
+) -> tuple[Profile, dict[str, list[Measurement]]]:
+    """Measure every (tensor, micro-batch, recompute) for each chip type -> (profile, raw).
+
+    Emulated entries are the host measurement times the chip's slowdown. A shape whose one
+    layer does not fit the chip's memory gets no entry (`on_measure` is told why)."""
+    from h2jax.backends import platform_devices, resolve_all, select_platforms
+
+    cfg = get_config(model)
+    chips = [load_chip(n) for n in chip_names]
+    backends = resolve_all(c.name for c in chips)
+    select_platforms(c.name for c in chips)
+    cache: dict[tuple, Measurement] = {}
+    raw: dict[str, list[Measurement]] = {}
+    entries: dict[str, list[ProfileEntry]] = {}
+    for chip in chips:
+        devices = platform_devices(backends[chip.name])
+        for t in tensors:
+            if t > len(devices):
+                raise ConfigError(
+                    f"--tensor {t} needs {t} {chip.platform} devices but {len(devices)} exist here"
+                )
+            for b in micro_batches:
+                for r in recompute:
+                    key = (_policy_key(chip), t, b, r)
+                    if key not in cache:
+                        cache[key] = measure_layer(chip, cfg, seq_len, t, b, devices, r, repeats, warmup)
+                    m = cache[key]
+                    raw.setdefault(chip.name, []).append(m)
+                    why = refusal(chip, m)
+                    if on_measure is not None:
+                        on_measure(chip.name, m, why)
+                    if why:
+                        continue
+                    s = chip.emulate.slowdown if chip.is_emulated else 1.0
+                    entries.setdefault(chip.name, []).append(
+                        ProfileEntry(t, m.tokens, m.forward_s * s, m.backward_s * s, r, m.activation_bytes)
+                    )
+    emulated = [c.name for c in chips if c.is_emulated]
+    source = f"h2jax profile, {time.strftime('%Y-%m-%d %H:%M')}, medians of {repeats} runs after {warmup} warm-up"
+    if emulated:
+        source += f"; EMULATED (host CPU times x slowdown): {', '.join(emulated)}"
+    profile = Profile(cfg, seq_len, {c: tuple(e) for c, e in entries.items()}, source, preset_name(cfg))
+    return profile, raw
+
+
+def merge_into(profile: Profile, path) -> Profile:
+    """`profile`'s chip types replace theirs in an existing file for the same model and
+    sequence length (profile each chip type on its own machine, then plan with one file)."""
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        return profile
+    old = load_profile(path)
+    if old.model != profile.model or old.seq_len != profile.seq_len:
+        raise ConfigError(
+            f"{path} holds a profile of another model or sequence length (seq_len {old.seq_len}); "
+            "write to a new file"
+        )
+    chips = {**old.chips, **profile.chips}
+    return dataclasses.replace(profile, chips=chips, source=f"{old.source}; {profile.source}")

@@ -1,0 +1,79 @@
+"""`h2jax profile` writes the planner's profile format; a measured profile steers the planner."""
+
+import dataclasses
+import json
+
+import pytest
+
+from h2jax.cli import main as cli_main
+from h2jax.cluster import load_cluster
+from h2jax.planner import load_profile, plan_cluster
+from h2jax.planner.profile import Profile, ProfileEntry
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "tiny.json"
+    rc = cli_main(["profile", "--chip", "emu-mid,emu-slow", "--model", "tiny", "--seq-len", "16",
+                   "--tensor", "1", "--micro-batch", "1,2", "--repeats", "3", "--warmup", "1",
+                   "--out", str(out)])
+    assert rc == 0
+    return out
+
+
+def test_profile_file_is_the_planners_format(profile_file):
+    raw = json.loads(profile_file.read_text())
+    assert raw["format_version"] == 1 and raw["model"] == "tiny" and raw["seq_len"] == 16
+    assert "EMULATED" in raw["source"]
+    profile = load_profile(profile_file)
+    mid, slow = profile.entries("emu-mid", 1, "none"), profile.entries("emu-slow", 1, "none")
+    assert [e.tokens for e in mid] == [16, 32] == [e.tokens for e in slow]
+    for m, s in zip(mid, slow):
+        assert m.forward_s > 0 and m.backward_s > 0
+        # one host measurement, stretched by each chip's slowdown (8 and 16)
+        assert s.forward_s == pytest.approx(2 * m.forward_s, rel=1e-12)
+        assert s.backward_s == pytest.approx(2 * m.backward_s, rel=1e-12)
+        assert s.activation_bytes == m.activation_bytes > 0
+    assert mid[1].activation_bytes > mid[0].activation_bytes  # more tokens keep more
+
+
+def test_profile_merges_into_an_existing_file(profile_file, tmp_path):
+    from h2jax.profiler import merge_into
+
+    other = load_profile(profile_file)
+    extra = dataclasses.replace(other, chips={"emu-fast": other.chips["emu-mid"]})
+    merged = merge_into(extra, profile_file)
+    assert set(merged.chips) == {"emu-mid", "emu-slow", "emu-fast"}
+
+
+def _layers_per_chip(plan):
+    out = {}
+    for s in plan.stages:
+        out[s.chip] = out.get(s.chip, 0) + s.n_layers
+    return out
+
+
+def _scaled(profile: Profile, chip: str, factor: float) -> Profile:
+    chips = dict(profile.chips)
+    chips[chip] = tuple(
+        dataclasses.replace(e, forward_s=e.forward_s * factor, backward_s=e.backward_s * factor) for e in chips[chip]
+    )
+    return dataclasses.replace(profile, chips=chips)
+
+
+def test_doubling_a_chips_measured_layer_time_shifts_layers_away_from_it(profile_file, tmp_path):
+    cluster_file = tmp_path / "two.toml"
+    cluster_file.write_text('[[group]]\nchip = "emu-mid"\ncount = 1\n\n[[group]]\nchip = "emu-slow"\ncount = 1\n')
+    cluster = load_cluster(cluster_file)
+    measured = load_profile(profile_file)
+    # Both chip types with emu-mid's measured per-layer costs: equally fast per layer.
+    even = dataclasses.replace(measured, chips={"emu-mid": measured.chips["emu-mid"],
+                                                "emu-slow": measured.chips["emu-mid"]})
+    kwargs = dict(micro_batches=(1,), recompute=("none",), baselines=False)
+    base = plan_cluster(cluster, "tiny", 16, 8, profile=even, **kwargs).plan
+    slower = plan_cluster(cluster, "tiny", 16, 8, profile=_scaled(even, "emu-mid", 2.0), **kwargs).plan
+    assert base.predicted["cost_model"] == "profile"
+    before, after = _layers_per_chip(base), _layers_per_chip(slower)
+    assert before.get("emu-mid", 0) >= 1 and before.get("emu-slow", 0) >= 1, before
+    assert after.get("emu-mid", 0) < before["emu-mid"], (before, after)
+    assert slower.predicted["iteration_time_s"] > base.predicted["iteration_time_s"]
