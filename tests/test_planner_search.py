@@ -82,3 +82,34 @@ def test_chips_with_more_memory_come_first():
     (best,), _ = top_k(cluster, "small", 32, 8)
     chips = [o.chip for o in best.options]
     assert chips == sorted(chips, key=["big", "small"].index)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases, seq=st.sampled_from([32, 128]), batch=st.sampled_from([4, 6]))
+def test_fast_top_k_matches_the_exhaustive_top_k(case, seq, batch):
+    """The k best stage lists (each with its best split) agree, not only the first."""
+    cluster, model = case
+    try:
+        fast, stats = top_k(cluster, model, seq, batch, k=3)
+    except PlannerError:
+        with pytest.raises(PlannerError):
+            top_k(cluster, model, seq, batch, k=3, exhaustive=True)
+        return
+    full, _ = top_k(cluster, model, seq, batch, k=3, exhaustive=True)
+    assert [c.time_s for c in fast] == pytest.approx([c.time_s for c in full], rel=1e-9)
+    assert stats.proved_optimal
+    assert stats.lower_bound_s == pytest.approx(fast[0].time_s, rel=1e-12)
+
+
+def test_time_limit_returns_the_best_found_with_a_valid_lower_bound():
+    from pathlib import Path
+
+    from h2jax.cluster import load_cluster
+
+    cluster = load_cluster(Path(__file__).resolve().parent.parent / "plans" / "cluster-1024.toml")
+    (best,), stats = top_k(cluster, "llama-100b", 4096, 2048, time_limit_s=3.0)
+    if stats.proved_optimal:  # a fast machine: then the bound is the optimum
+        assert stats.lower_bound_s == pytest.approx(best.time_s)
+    else:
+        assert 0.0 <= stats.lower_bound_s <= best.time_s
+    assert best.time_s < 17.0  # the greedy + local-search incumbent uses the cluster well

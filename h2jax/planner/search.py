@@ -11,16 +11,19 @@ The space (the same for the fast search and `exhaustive=True`):
   (chips may stay unused);
 - a layer split: l_i >= 1 layers per stage, sum l_i = n_layers, every stage within memory.
 
-Fast search, per micro-batch size:
+Fast search (docs/planner.md, "The search", has the details):
 
-1. Per type, cost each option's per-layer time c = forward + backward of one layer; drop options
-   whose single layer does not fit even with one micro-batch in flight (they never fit).
-2. Depth-first over types, options in decreasing "speed" k/c, with the lower bound
-       (m - 1) * L / sum_i(1/c_i) + sum_i c_i + (L - p) * min_i c_i
-   (the bottleneck of any split is at least the continuous balance L / sum 1/c_i; every stage
-   runs at least one layer; every other layer costs at least the cheapest c). Unassigned
-   types count with their fastest option and no fill, so the bound stays valid; a subtree
-   whose bound cannot beat the incumbent (the K-th best, for top-K) is cut.
+1. Per micro-batch size and chip type, the options (k, D, T, r) with their per-layer time
+   c = forward + backward of one layer; options whose single layer does not fit even with one
+   micro-batch in flight are dropped (they never fit).
+2. Depth-first over types in *reverse* pipeline order, options fastest first: the chosen types
+   are the end of the pipeline, so their stages' in-flight micro-batches are exact, and the
+   open types (in front) hold at least (chosen stages + 1) each. Lower bound of a node:
+   min over bottlenecks v of (m - 1)*v + fill(v) + the largest one-layer tail, where the
+   chosen stages hold at most min(cap, floor(v/c)) layers each and each open type at most
+   its per-shape table at the open positions (`_shape_tables`); its layers cost at least its
+   staircase of cheapest per-layer times (`_Staircase`). A subtree whose bound cannot beat
+   the incumbent (the K-th best, for top-K) is cut.
 3. At a leaf, the exact layer split (`best_split`): the objective is
        sum_i lin_i*l_i + C + sum_g w_g * max(floor_g, max_i(a_gi*l_i + o_gi))
    (1F1B: one max for the steady state with weight m-1, one for the dp-reduce+optimizer
@@ -29,6 +32,9 @@ Fast search, per micro-batch size:
    "bisection on the bottleneck time"), caps l_i <= (v - o_gi)/a_gi, and stops as soon as
    the accumulated cost plus a lower bound of the rest cannot win; under all caps the
    remaining linear part is minimised exactly by filling the cheapest stages first.
+4. Incumbents before the proof: a greedy construction (`_greedy_incumbents`), coordinate
+   descent over one type's option at a time (`_local_search`), a pass over each type's few
+   fastest options. They only make the bound to beat smaller.
    Every optimum is some candidate combination and every cut uses a valid bound, so the
    result is the optimum of the space, which tests check against `exhaustive=True`.
 """
@@ -502,7 +508,7 @@ class _Staircase:
 
 def _lower_bound(
     m: int, L: int, assigned: Sequence[Any], rest: _Envelope, rest_c: float, complete: bool,
-    bound: float = math.inf, stairs: Sequence[_Staircase] | None = None,
+    bound: float = math.inf, stairs: Sequence[_Staircase] | None = None, v_floor: float = 0.0,
 ) -> float:
     """Iteration time no completion of `assigned` can beat.
 
@@ -514,7 +520,7 @@ def _lower_bound(
     capacity grows, the fill is taken at the interval's right end (it only falls with V).
     Stops early once it cannot go below `bound`.
     """
-    v = _bottleneck_lb(L, assigned, rest)
+    v = max(_bottleneck_lb(L, assigned, rest), v_floor)  # v_floor: a bound for every plan
     if v == math.inf:
         return v
     base = sum(o.stages * o.layer_s for o in assigned)  # one layer per stage
@@ -597,8 +603,90 @@ def _leaf_bound(L: int, m: int, schedule: str, chosen: Sequence[Option], e_first
     if schedule == "gpipe":  # max f + max b >= max (f + b): the same bound holds
         pass
     fill = float(c.sum()) + (L - p) * float(c.min()) + e_first + e_last
-    tail = max(o.tail1 for o in chosen)  # every stage's tail is at least its one layer's
+    tail = _tail_lb(chosen, L, 0.0)
     return (m - 1) * float(values[lo]) * (1 - 1e-9) + fill + tail
+
+
+class _PositionCapacity:
+    """The most layers the whole cluster holds under a bottleneck v with every stage at its
+    true pipeline position (1F1B: the j-th stage from the end holds min(j, m) micro-batches).
+
+    The envelope lets every type take the most lenient positions at once; here the types,
+    in their fixed pipeline order, take consecutive positions: a DP from the front type,
+    D_i(q) = max(D_{i-1}(q), max over shapes s and k <= K_s of
+             sum_{j=1..k} min(floor(v/c_s), cap_s(q + j)) + D_{i-1}(q + k)),
+    with D_i(q) the most layers types 0..i hold when q stages sit behind type i. D(0) >= L is
+    necessary for a plan with bottleneck v (each stage holds at most min(floor(v/c), cap)).
+    """
+
+    def __init__(self, per_type: Sequence[Sequence[Option]], L: int, m: int, gpipe: bool) -> None:
+        self.L, self.types = L, []
+        pos = np.arange(1, L + 1)
+        f = np.full(L, m) if gpipe else np.minimum(pos, m)
+        q = np.arange(L + 1)[:, None]
+        r = np.arange(L + 1)[None, :]
+        for opts in per_type:
+            shapes: dict[tuple, Option] = {}
+            for o in opts:
+                key = (o.data, o.tensor, o.recompute)
+                if key not in shapes or o.stages > shapes[key].stages:
+                    shapes[key] = o
+            if not shapes:
+                continue
+            os_ = list(shapes.values())
+            c = np.array([o.layer_s for o in os_])
+            room = np.array([o.room for o in os_])[:, None]
+            static = np.array([o.layer_static for o in os_])[:, None]
+            act = np.array([o.layer_activation for o in os_])[:, None]
+            limit = np.array([min(o.cap1, L) for o in os_])[:, None]
+            caps = np.maximum(np.minimum(np.floor(room / (static + f[None, :] * act) + 1e-9), limit), 0)
+            kmax = np.array([min(o.stages, L) for o in os_])
+            window = (r > q)[None, :, :] & (r <= q + kmax[:, None, None])  # (shape, q, r)
+            self.types.append((c, caps, window))
+
+    def held(self, v: float) -> float:
+        L = self.L
+        D = np.zeros(L + 1)
+        for c, caps, window in self.types:
+            per = np.minimum(np.floor(v / c + 1e-9)[:, None], caps)
+            cs = np.concatenate([np.zeros((len(c), 1)), np.cumsum(per, axis=1)], axis=1)
+            g = cs + D[None, :]
+            val = np.where(window, g[:, None, :], -np.inf).max(axis=2) - cs
+            D = np.maximum(D, val.max(axis=0))
+        return float(D[0])
+
+    def bottleneck_lb(self, v_lo: float, iters: int = 14) -> float:
+        """A v below every feasible bottleneck (held(v) < L), from a known one `v_lo`."""
+        if self.held(v_lo) >= self.L:
+            return v_lo
+        hi = v_lo * 2
+        while self.held(hi) < self.L:
+            hi *= 2
+            if hi > v_lo * 2**20:
+                return math.inf
+        lo = v_lo
+        for _ in range(iters):
+            mid = (lo + hi) / 2
+            if self.held(mid) >= self.L:
+                hi = mid
+            else:
+                lo = mid
+        return lo
+
+
+def _inv_tail(o: Option, L: int) -> float:
+    """sum of 1/(tail per layer) over an option's stages (inf if its tail is free)."""
+    return min(o.stages, L) / o.tail1 if o.tail1 > 0 else math.inf
+
+
+def _tail_lb(chosen: Sequence[Option], L: int, open_inv: float) -> float:
+    """A lower bound on max_i tail_i (dp-reduce + optimizer, tau_i*l_i + end terms >= tau_i*l_i):
+    every stage holds a layer, and with all tau_i*l_i <= X the stages hold at most
+    X * sum_i 1/tau_i layers, so X >= L / sum_i 1/tau_i; the open types add at most
+    `open_inv` to that sum."""
+    one = max((o.tail1 for o in chosen), default=0.0)
+    inv = open_inv + sum(_inv_tail(o, L) for o in chosen)
+    return max(one, L / inv if inv > 0 else 0.0)
 
 
 class _TopK:
@@ -837,8 +925,12 @@ def _branch_and_bound(
         n = len(per_type)
         best_speed = [max((o.speed for o in opts), default=0.0) for opts in per_type]
         cheapest = [min((o.layer_s for o in opts), default=math.inf) for opts in per_type]
-        # prefix[t]: (speed, cheapest per-layer cost) of types 0..t-1, the ones before type t
-        prefix = [(sum(best_speed[:t]), min(cheapest[:t], default=math.inf)) for t in range(n + 1)]
+        # prefix[t]: (speed, cheapest per-layer cost, most sum of 1/tail-per-layer) of types
+        # 0..t-1, the ones before type t
+        inv_tail = [max((_inv_tail(o, L) for o in opts), default=0.0) for opts in per_type]
+        prefix = [
+            (sum(best_speed[:t]), min(cheapest[:t], default=math.inf), sum(inv_tail[:t])) for t in range(n + 1)
+        ]
         envs: dict[tuple[int, int], _Envelope] = {}
         tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -866,13 +958,21 @@ def _branch_and_bound(
             return out
 
         f0 = m if gpipe else 1
-        root = _lower_bound(m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0))
-        roots.append((root, b, per_type, prefix, rest_env, rest_stairs))
+        tail0 = _tail_lb([], L, prefix[n][2])
+        root = tail0 + _lower_bound(m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0))
+        v_floor = 0.0
+        if not seed and root < top.bound and n > 1:
+            # every plan at b: the bottleneck with true positions (one DP per probe, so only here)
+            v_floor = _PositionCapacity(per_type, L, m, gpipe).bottleneck_lb(_bottleneck_lb(L, [], rest_env(n, f0)))
+            root = tail0 + _lower_bound(
+                m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0), v_floor
+            )
+        roots.append((root, b, per_type, prefix, rest_env, rest_stairs, v_floor))
     roots.sort(key=lambda r: r[:2])  # most promising micro-batch first: a good incumbent early
     if not seed:
         stats.lower_bound_s = min((r[0] for r in roots), default=math.inf)
 
-    for root_lb, b, per_type, prefix, rest_env, rest_stairs in roots:
+    for root_lb, b, per_type, prefix, rest_env, rest_stairs, v_floor in roots:
         if root_lb >= top.bound:
             continue
         m = ctx.global_batch // b
@@ -889,9 +989,9 @@ def _branch_and_bound(
             """Lower bound once types t.. are decided (chosen: pipeline order), types < t open."""
             units = _units(chosen, m, ctx.schedule)
             f = m if gpipe else min(n_stages + 1, m)
-            tail = max((o.tail1 for o in chosen), default=0.0)  # the max of the stages' tails
+            tail = _tail_lb(chosen, L, prefix[t][2])
             return tail + _lower_bound(
-                m, L, units, rest_env(t, f), prefix[t][1], t == 0, top.bound - tail, rest_stairs(t, f)
+                m, L, units, rest_env(t, f), prefix[t][1], t == 0, top.bound - tail, rest_stairs(t, f), v_floor
             )
 
         def visit(t: int, chosen: list[Option], n_stages: int) -> None:
