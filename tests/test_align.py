@@ -1,12 +1,9 @@
 """Precision alignment: policies that should agree pass the 1.5% criterion; a coarse one fails."""
 
-import json
-
 import numpy as np
 import pytest
 
 from h2jax.align import TOLERANCE, align, curve_error
-from h2jax.cli import main as cli_main
 from h2jax.cluster import backends_dir
 
 # float16 parameters and compute with no loss scaling: AdamW's second moment (kept in the
@@ -27,7 +24,9 @@ compute_dtype = "float16"
 matmul_precision = "default"
 """
 
-KW = dict(model="tiny", seq_len=16, batch=4, learning_rate=3e-3)
+# Two narrow layers: the fastest model to compile three times (once per precision policy).
+TWO_LAYERS = {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64}
+KW = dict(model=TWO_LAYERS, seq_len=16, batch=4, learning_rate=3e-3)
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +68,3 @@ def test_curve_error_is_the_mean_relative_error():
     assert e.mean_relative_error == pytest.approx((0.1 + 0.0 + 0.1) / 3)
     assert (e.worst_step, e.worst_relative_error) == (0, pytest.approx(0.1))
 
-
-def test_cli_exit_status(chips_dir, monkeypatch, capsys):
-    monkeypatch.setenv("H2JAX_BACKENDS_DIR", str(chips_dir))
-    args = ["align", "--steps", "3", "--model", "tiny", "--seq-len", "16", "--batch", "4", "--json"]
-    assert cli_main(args + ["--chips", "cpu,cpu-fp16"]) == 1
-    (out,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert out["passed"] is False and out["chips"]["cpu-fp16"]["passed"] is False

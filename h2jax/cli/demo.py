@@ -141,7 +141,8 @@ def main(args: argparse.Namespace) -> int:
     for col in ("run", "chips", "stages", "step s (pred.)", "step s (measured)", "tokens/s", "tokens/chip/s"):
         table.add_column(col)
     table.add_row("mixed", str(cluster.n_chips), str(plan.n_stages), f"{plan.predicted['iteration_time_s']:.3f}",
-                  f"{mixed.step_time_s:.3f}", f"{mixed.tokens_per_s:,.0f}", f"{mixed.tokens_per_chip_s:,.1f}")
+                  f"{mixed.step_time_s:.3f}", f"{mixed.tokens_per_s:,.0f}",
+                  f"{mixed.tokens_per_s / cluster.n_chips:,.1f}")  # per chip of the cluster, idle ones too
     for name, b in measured.items():
         pred = result.baselines[name].iteration_time_s
         table.add_row(f"{name} alone", str(b.chips), str(b.plan.n_stages) if b.plan else "-",
