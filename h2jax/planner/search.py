@@ -33,8 +33,8 @@ Fast search (docs/planner.md, "The search", has the details):
    the accumulated cost plus a lower bound of the rest cannot win; under all caps the
    remaining linear part is minimised exactly by filling the cheapest stages first.
 4. Incumbents before the proof: a greedy construction (`_greedy_incumbents`), coordinate
-   descent over one type's option at a time (`_local_search`), a pass over each type's few
-   fastest options. They only make the bound to beat smaller.
+   descent over one type's option at a time (`_local_search`). They only make the bound to
+   beat smaller.
    Every optimum is some candidate combination and every cut uses a valid bound, so the
    result is the optimum of the space, which tests check against `exhaustive=True`.
 """
@@ -722,8 +722,9 @@ def _search_fast(
     ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
 ) -> list[Candidate]:
     """Branch and bound. Good incumbents first (on thousands of chips the tree is only cut well
-    with one): a greedy construction per micro-batch and target bottleneck, then a pass over
-    each type's few fastest plausible options; the full pass then proves (or improves) them."""
+    with one): a greedy construction per micro-batch and target bottleneck, improved by
+    coordinate descent; the full pass then proves (or improves) them. (`seed=True`, a pass over
+    each type's few fastest options, is kept for experiments; the two above find better.)"""
     top = _TopK(k)
     try:
         _greedy_incumbents(ctx, micro_batches, top, stats, deadline)
@@ -731,7 +732,6 @@ def _search_fast(
     except _OutOfTime:
         stats.proved_optimal = False
         return top.sorted()
-    _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=True)
     _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=False)
     found = top.sorted()
     if stats.proved_optimal and found:
