@@ -179,7 +179,10 @@ def merge_into(profile: Profile, path) -> Profile:
 
     if not Path(path).is_file():
         return profile
-    old = load_profile(path)
+    try:
+        old = load_profile(path)
+    except ConfigError as e:
+        raise ConfigError(f"{path} exists and is not a profile this h2jax reads ({e}); write to a new file") from None
     if old.model != profile.model or old.seq_len != profile.seq_len:
         raise ConfigError(
             f"{path} holds a profile of another model or sequence length (seq_len {old.seq_len}); "
