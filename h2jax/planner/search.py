@@ -185,10 +185,20 @@ class _Context:
         """Per chip type (pipeline order), its options at micro-batch b, fastest first (cached)."""
         key = (b, prune_unfit)
         if key not in self._options:
-            self._options[key] = self._type_options(b, prune_unfit)
+            out = []
+            for shapes in self.type_shapes(b, prune_unfit):
+                opts = [dataclasses.replace(o, stages=k) for o in shapes for k in range(1, o.stages + 1)]
+                opts.sort(key=lambda o: (-o.speed, o.chips, o.stages, o.data, o.tensor, o.recompute))
+                out.append(opts)
+            self._options[key] = out
         return [list(opts) for opts in self._options[key]]
 
-    def _type_options(self, b: int, prune_unfit: bool) -> list[list[Option]]:
+    def type_shapes(self, b: int, prune_unfit: bool) -> list[list[Option]]:
+        """Per chip type, one option per shape (D, T, r) with its most stages, min(L, chips // D*T):
+        all the bounds need (they see a shape through its largest k). Cached."""
+        key = ("shapes", b, prune_unfit)
+        if key in self._options:
+            return self._options[key]
         L = self.model.n_layers
         out = []
         for name in self.order:
@@ -207,13 +217,12 @@ class _Context:
                         room = mid.mem.capacity - mid.mem.reserve - mid.mem.working - mid.mem.params_end
                         per_layer = mid.mem.layer_static + mid.mem.layer_activation
                         cap1 = min(L, int(math.floor(room / per_layer + 1e-9)))
-                        for k in range(1, min(L, count // (d * t)) + 1):
-                            opts.append(Option(
-                                name, k, d, t, r, c, room, mid.mem.layer_static, mid.mem.layer_activation, cap1,
-                                mid.tail_layer,
-                            ))
-            opts.sort(key=lambda o: (-o.speed, o.chips, o.stages, o.data, o.tensor, o.recompute))
+                        opts.append(Option(
+                            name, min(L, count // (d * t)), d, t, r, c, room, mid.mem.layer_static,
+                            mid.mem.layer_activation, cap1, mid.tail_layer,
+                        ))
             out.append(opts)
+        self._options[key] = out
         return out
 
 
@@ -700,7 +709,7 @@ class _TopK:
     def push(self, cand: Candidate) -> None:
         key = (cand.micro_batch, cand.options)
         if any(c.micro_batch == key[0] and c.options == key[1] for _, _, c in self.heap):
-            return  # the seed pass already found this stage list
+            return  # an incumbent pass already found this stage list
         item = (-cand.time_s, -next(self.counter), cand)
         if len(self.heap) < self.k:
             heapq.heappush(self.heap, item)
@@ -715,16 +724,12 @@ class _OutOfTime(Exception):
     pass
 
 
-SEED_OPTIONS = 6  # per chip type, in the quick first pass that finds an incumbent
-
-
 def _search_fast(
     ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
 ) -> list[Candidate]:
     """Branch and bound. Good incumbents first (on thousands of chips the tree is only cut well
     with one): a greedy construction per micro-batch and target bottleneck, improved by
-    coordinate descent; the full pass then proves (or improves) them. (`seed=True`, a pass over
-    each type's few fastest options, is kept for experiments; the two above find better.)"""
+    coordinate descent; the branch and bound then proves (or improves) them."""
     top = _TopK(k)
     try:
         _greedy_incumbents(ctx, micro_batches, top, stats, deadline)
@@ -732,7 +737,7 @@ def _search_fast(
     except _OutOfTime:
         stats.proved_optimal = False
         return top.sorted()
-    _branch_and_bound(ctx, micro_batches, top, stats, deadline, seed=False)
+    _branch_and_bound(ctx, micro_batches, top, stats, deadline)
     found = top.sorted()
     if stats.proved_optimal and found:
         stats.lower_bound_s = found[0].time_s
@@ -827,7 +832,7 @@ def _greedy_incumbents(
     ranked = []
     for b in micro_batches:
         m = ctx.global_batch // b
-        per_type = ctx.type_options(b, prune_unfit=True)
+        per_type = ctx.type_shapes(b, prune_unfit=True)
         rest = _Envelope.zero()
         for opts in per_type:
             rest = rest + (_Envelope.of_options(opts, L, m) if gpipe else _Envelope.of_options(opts, L, 1, m))
@@ -905,7 +910,7 @@ def _greedy_incumbents(
 
 
 def _branch_and_bound(
-    ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float, seed: bool
+    ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float
 ) -> None:
     """Depth-first over chip types in *reverse* pipeline order: the chosen types form the end of
     the pipeline, so each chosen stage's in-flight micro-batches (1F1B: stages from it to the
@@ -916,12 +921,8 @@ def _branch_and_bound(
     roots = []
     for b in micro_batches:
         m = ctx.global_batch // b
-        per_type = ctx.type_options(b, prune_unfit=True)
-        if seed:
-            # Plausible: the type's first stage holds a layer with its own stages in flight.
-            per_type = [[o for o in opts if o.max_layers(o.stages) >= 1][:SEED_OPTIONS] for opts in per_type]
-        else:
-            stats.space_size += math.prod(len(o) + 1 for o in per_type) - 1
+        per_type = ctx.type_shapes(b, prune_unfit=True)  # the bounds see a shape by its largest k
+        stats.space_size += math.prod(sum(o.stages for o in shapes) + 1 for shapes in per_type) - 1
         n = len(per_type)
         best_speed = [max((o.speed for o in opts), default=0.0) for opts in per_type]
         cheapest = [min((o.layer_s for o in opts), default=math.inf) for opts in per_type]
@@ -961,21 +962,21 @@ def _branch_and_bound(
         tail0 = _tail_lb([], L, prefix[n][2])
         root = tail0 + _lower_bound(m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0))
         v_floor = 0.0
-        if not seed and root < top.bound and n > 1:
+        if root < top.bound and n > 1:
             # every plan at b: the bottleneck with true positions (one DP per probe, so only here)
             v_floor = _PositionCapacity(per_type, L, m, gpipe).bottleneck_lb(_bottleneck_lb(L, [], rest_env(n, f0)))
             root = tail0 + _lower_bound(
                 m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0), v_floor
             )
-        roots.append((root, b, per_type, prefix, rest_env, rest_stairs, v_floor))
+        roots.append((root, b, prefix, rest_env, rest_stairs, v_floor))
     roots.sort(key=lambda r: r[:2])  # most promising micro-batch first: a good incumbent early
-    if not seed:
-        stats.lower_bound_s = min((r[0] for r in roots), default=math.inf)
+    stats.lower_bound_s = min((r[0] for r in roots), default=math.inf)
 
-    for root_lb, b, per_type, prefix, rest_env, rest_stairs, v_floor in roots:
+    for root_lb, b, prefix, rest_env, rest_stairs, v_floor in roots:
         if root_lb >= top.bound:
-            continue
+            continue  # not even its options are built
         m = ctx.global_batch // b
+        per_type = ctx.type_options(b, prune_unfit=True)
 
         def ends(chosen: list[Option]) -> tuple[float, float]:
             p = sum(o.stages for o in chosen)
