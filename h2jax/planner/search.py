@@ -407,22 +407,22 @@ class _Unit(NamedTuple):
 
 
 def _units(assigned: Sequence[Option], m: int, schedule: str) -> list[_Unit]:
-    """The chosen options' stages with caps for the micro-batches each holds *at least*.
+    """The chosen options' stages with the memory cap of each one's position.
 
-    The search chooses types in pipeline order, so the chosen stages come first: stage i of
-    the n chosen holds at least min(n - i, m) micro-batches under 1F1B (m under GPipe) however
-    many stages follow.
+    The search decides types from the end of the pipeline, so the n chosen stages are its
+    last n: stage i of them holds exactly min(n - i, m) micro-batches under 1F1B (m under
+    GPipe) however many stages come in front.
     """
     n = sum(o.stages for o in assigned)
-    counts: dict[tuple[float, int], int] = {}
+    out: list[_Unit] = []
     pos = 0
     for o in assigned:
-        for _ in range(o.stages):
-            f = m if schedule == "gpipe" else min(n - pos, m)
-            key = (o.layer_s, min(o.cap1, o.max_layers(f)))
-            counts[key] = counts.get(key, 0) + 1
-            pos += 1
-    return [_Unit(k, c, cap) for (c, cap), k in counts.items()]
+        f = np.full(o.stages, m) if schedule == "gpipe" else np.minimum(n - pos - np.arange(o.stages), m)
+        caps = np.minimum(np.floor(o.room / (o.layer_static + f * o.layer_activation) + 1e-9), o.cap1)
+        values, counts = np.unique(caps.astype(np.int64), return_counts=True)
+        out.extend(_Unit(int(k), o.layer_s, int(cap)) for cap, k in zip(values, counts))
+        pos += o.stages
+    return out
 
 
 def _bottleneck_lb(L: int, assigned: Sequence[Any], rest: _Envelope) -> float:
