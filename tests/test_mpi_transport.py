@@ -20,6 +20,7 @@ from h2jax.config import ConfigError
 from h2jax.plan import PlanError
 from h2jax.transport.mpi import _flat_offset, _is_contiguous, aligned_empty, choose_path, mpi_world_size
 from h2jax.transport.multihost import role_for_rank
+from tests.conftest import TEST_XLA_FLAGS
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
@@ -29,7 +30,8 @@ def mpiexec(n: int, script: str, *args: str, timeout: float = 90, env: dict | No
     if not Path(MPIEXEC).exists():
         pytest.skip("mpiexec not found (pip install mpich)")
     full_env = {**os.environ, **(env or {})}
-    full_env.pop("XLA_FLAGS", None)  # each rank sets its own device count
+    # Each rank sets its own device count; the ranks compile with the tests' fast flags.
+    full_env["XLA_FLAGS"] = TEST_XLA_FLAGS
     t0 = time.monotonic()
     proc = subprocess.run(
         [MPIEXEC, "-n", str(n), sys.executable, str(SCRIPTS / script), *args],
