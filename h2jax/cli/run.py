@@ -43,5 +43,6 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"{args.steps} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
             f"{result.step_time_s * 1e3:.1f} ms/step, {result.tokens_per_s:,.0f} tokens/s"
+            + (f" ({result.emulation_note})" if result.emulation_note else "")
         )
     return 0

@@ -50,7 +50,7 @@ class Pipeline:
         self.schedule = sched.build(plan.schedule, plan.n_stages, plan.n_micro)
         first = next(iter(executors.values()))
         shape = (plan.micro_batch, plan.seq_len, plan.model.d_model)
-        transport.connect(shape, first.params_dtype, {i: ex.boundary_sharding for i, ex in executors.items()})
+        transport.connect(shape, first.boundary_dtype, {i: ex.boundary_sharding for i, ex in executors.items()})
 
     def step(self, tokens: np.ndarray) -> float:
         """One optimizer step on a global batch `tokens` [global_batch, seq_len + 1];

@@ -83,8 +83,6 @@ class StageExecutor:
         self.param_dtype = _dtype(param_dtype or numerics.param_dtype)
         self.compute_dtype = _dtype(compute_dtype or numerics.compute_dtype)
         self.boundary_dtype = _dtype(boundary_dtype(plan))
-        # The pipeline connects its transport with this dtype: boundary arrays, not parameters.
-        self.params_dtype = self.boundary_dtype
         self.clock = clock
         self.is_first, self.is_last = index == 0, index == plan.n_stages - 1
         self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
