@@ -36,6 +36,7 @@ COLUMNS = [
     ("ratio_honest", "ratio (same batch)"), ("ratio_paper_method", f"ratio (paper: baselines @{BASELINE_M}M)"),
     ("batch_size_effect", "batch-size effect"), ("ratio_cost_model", "ratio, closed form"),
     ("mixed_sim_vs_model", "mixed: sim/model - 1"),
+    ("mixed_proved_optimal", "mixed plan proved optimal"),
 ]
 
 
@@ -43,14 +44,15 @@ def rate(run) -> float:
     return 0.0 if run.simulated_s is None else run.global_batch_tokens / run.simulated_s
 
 
-def study(model: str, seq_len: int, clusters=CLUSTERS) -> list[dict]:
+def study(model: str, seq_len: int, clusters=CLUSTERS, time_limit_s: float | None = None) -> list[dict]:
     rows = []
     for n in clusters:
         cluster = load_cluster(ROOT / "plans" / f"cluster-{n}.toml")
         cache: dict = {}
         for m in BATCHES_M:
             t0 = time.perf_counter()
-            c = compare(cluster, model, seq_len, m * 2**20, BASELINE_M * 2**20, cache=cache)
+            c = compare(cluster, model, seq_len, m * 2**20, BASELINE_M * 2**20, cache=cache,
+                        time_limit_s=time_limit_s)
             d = c.to_dict()
             mixed = c.mixed
             rows.append({
@@ -66,6 +68,8 @@ def study(model: str, seq_len: int, clusters=CLUSTERS) -> list[dict]:
                 "ratio_cost_model": d["hetero_speedup_ratio_cost_model"],
                 "mixed_sim_vs_model": None if mixed.simulated_s is None
                 else mixed.simulated_s / mixed.predicted_s - 1,
+                "mixed_proved_optimal": None if mixed.plan is None
+                else bool((mixed.plan.predicted or {}).get("proved_optimal")),
                 "seconds": time.perf_counter() - t0,
             })
             print(f"{cluster.name} {m}M: honest {c.ratio_same_batch:.3f}, paper method "
@@ -141,10 +145,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "examples" / "out"))
     ap.add_argument("--clusters", type=int, nargs="+", default=list(CLUSTERS),
                     help="plans/cluster-N.toml sizes (default: the paper-scale 768 1024 2432)")
+    ap.add_argument("--time-limit", type=float, default=20.0,
+                    help="seconds per mixed-cluster search; unproved plans are marked (default 20)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = study(args.model, args.seq_len, args.clusters)
+    rows = study(args.model, args.seq_len, args.clusters, args.time_limit)
     write_table(rows, out, args.model, args.seq_len)
     plot(rows, out, args.model)
     print((out / "batch_size_study.md").read_text())

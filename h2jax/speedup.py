@@ -109,13 +109,17 @@ def plan_mixed(
     global_batch_tokens: int,
     schedule: str = "1f1b",
     profile: Profile | None = None,
+    time_limit_s: float | None = None,
 ) -> Run:
-    """The planner's best plan for the whole cluster, timed by the simulator."""
+    """The planner's best plan for the whole cluster, timed by the simulator. With
+    `time_limit_s`, the best plan the search found in that time (see predicted.proved_optimal)."""
     from h2jax.planner import PlannerError, plan_cluster
 
     batch = sequences(global_batch_tokens, seq_len)
     try:
-        result = plan_cluster(cluster, model, seq_len, batch, schedule, profile=profile, baselines=False)
+        result = plan_cluster(
+            cluster, model, seq_len, batch, schedule, profile=profile, baselines=False, time_limit_s=time_limit_s
+        )
     except PlannerError as e:
         return Run("mixed", cluster.n_chips, global_batch_tokens, None, None, None, str(e))
     closed, sim = _simulated(result.plan, cluster, profile)
@@ -211,6 +215,7 @@ def compare(
     schedule: str = "1f1b",
     profile: Profile | None = None,
     cache: dict[tuple[str, int], dict[str, Run]] | None = None,
+    time_limit_s: float | None = None,
 ) -> Comparison:
     """Plan and simulate the mixed cluster and each chip type alone; see the module docstring.
 
@@ -224,6 +229,6 @@ def compare(
             cache[key] = plan_alone(cluster, model, seq_len, tokens, schedule, profile)
         return cache[key]
 
-    mixed = plan_mixed(cluster, model, seq_len, global_batch_tokens, schedule, profile)
+    mixed = plan_mixed(cluster, model, seq_len, global_batch_tokens, schedule, profile, time_limit_s)
     fixed = None if baseline_global_batch_tokens is None else alone(baseline_global_batch_tokens)
     return Comparison(cluster.name, mixed, alone(global_batch_tokens), fixed, baseline_global_batch_tokens)

@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
                    help="also compare with homogeneous baselines at this batch (the paper's method)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     p.add_argument("--profile", help="measured profile (from `h2jax profile`)")
+    p.add_argument("--time-limit", type=float, default=60.0,
+                   help="stop the mixed-cluster search after this many seconds with the best plan "
+                        "found, marked not proved optimal (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
 
@@ -37,7 +40,8 @@ def main(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     tokens = parse_tokens(args.global_batch_tokens)
     base = parse_tokens(args.baseline_global_batch_tokens) if args.baseline_global_batch_tokens else None
-    result = compare(cluster, args.model, args.seq_len, tokens, base, args.schedule, profile)
+    result = compare(cluster, args.model, args.seq_len, tokens, base, args.schedule, profile,
+                     time_limit_s=args.time_limit)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
