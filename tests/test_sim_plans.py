@@ -123,3 +123,19 @@ def test_rerank_by_simulation_orders_by_simulated_time(small_cluster):
     for plan, r in ranked:
         costs = cost_model.stage_costs(plan, small_cluster)
         assert r.iteration_s == simulate_plan(plan, costs).iteration_s
+
+
+def test_plan_refine_with_sim_keeps_the_fastest_simulated_plan(tmp_path):
+    out = tmp_path / "refined.json"
+    assert cli_main([
+        "plan", "--cluster", str(ROOT / "plans" / "cluster-64.toml"), "--model", "llama-7b",
+        "--seq-len", "2048", "--global-batch-tokens", "2097152", "--refine-with-sim", "4",
+        "--no-baselines", "--json", "--out", str(out),
+    ]) == 0
+    plan = load_plan(out)
+    refined = plan.predicted["refined_with_sim"]
+    assert refined["k"] == 4 and 0 <= refined["rank_under_cost_model"] < 4
+    assert refined["simulated_s"] == sorted(refined["simulated_s"])
+    costs = cost_model.stage_costs(plan, load_cluster(ROOT / "plans" / "cluster-64.toml"))
+    assert simulate_plan(plan, costs).iteration_s == pytest.approx(refined["simulated_s"][0], rel=1e-12)
+    assert plan.predicted["simulated_iteration_time_s"] == refined["simulated_s"][0]

@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
                    help="enumerate every stage list and layer split (small clusters only): checks the search")
     p.add_argument("--profile", help="measured profile (from `h2jax profile`) to use instead of the analytical model")
     p.add_argument("--top-k", type=int, default=1, help="keep the K best stage lists (listed with --json)")
+    p.add_argument("--refine-with-sim", type=int, default=None, metavar="K",
+                   help="re-rank the search's best K plans by event-level simulation and keep the fastest")
     p.add_argument("--time-limit", type=float, default=60.0,
                    help="stop the search after this many seconds with the best plan so far, marked not proved "
                         "optimal (default 60; small clusters finish in well under a second)")
@@ -63,9 +65,11 @@ def main(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile) if args.profile else None
     result = plan_cluster(
         cluster, args.model, args.seq_len, global_batch, schedule=args.schedule, exhaustive=args.exhaustive,
-        profile=profile, k=args.top_k, baselines=not args.no_baselines, baseline_global_batch=baseline_batch,
-        time_limit_s=args.time_limit,
+        profile=profile, k=max(args.top_k, args.refine_with_sim or 1), baselines=not args.no_baselines,
+        baseline_global_batch=baseline_batch, time_limit_s=args.time_limit,
     )
+    if args.refine_with_sim:
+        result = refined_by_simulation(result, cluster, profile)
     if args.out:
         save_plan(result.plan, args.out)
     if args.json:
@@ -83,6 +87,33 @@ def main(args: argparse.Namespace) -> int:
     else:
         print_table(result, cluster, args.out)
     return 0
+
+
+def refined_by_simulation(result: Any, cluster: Any, profile: Any) -> Any:
+    """The search's top-K plans re-ranked by the simulator; the winner's `predicted` keeps the
+    closed-form figures of the cost model and adds its simulated step time and rank."""
+    import dataclasses
+
+    from h2jax.planner.cost_model import CostOptions
+    from h2jax.planner.heteroauto import predict
+    from h2jax.sim import rerank_by_simulation
+
+    candidates = result.candidate_plans()
+    ranked = rerank_by_simulation(candidates, cluster, profile)
+    best, sim = ranked[0]
+    predicted = dict(result.plan.predicted)
+    if best != candidates[0]:
+        options = CostOptions(
+            shard_optimizer=predicted.get("optimizer_sharded_over_data", True), optimizer=best.optimizer.name
+        )
+        predicted.update(predict(best, cluster, profile, options))
+    predicted["simulated_iteration_time_s"] = sim.iteration_s
+    predicted["refined_with_sim"] = {
+        "k": len(candidates),
+        "rank_under_cost_model": candidates.index(best),
+        "simulated_s": [r.iteration_s for _, r in ranked],
+    }
+    return dataclasses.replace(result, plan=dataclasses.replace(best, predicted=predicted))
 
 
 def print_table(result: Any, cluster: Any, out: str | None) -> None:
