@@ -33,15 +33,20 @@ class _StageRun:
 
     def pending_tag(self) -> Tag | None:
         """The receive this stage waits on, if its next action is a receive."""
-        if self.done:
-            return None
-        a = self.actions[self.pos]
-        i = self.ex.index
-        if a.kind == sched.RECV_ACT:
-            return Tag(ACT, i - 1, a.micro)
-        if a.kind == sched.RECV_GRAD:
-            return Tag(GRAD, i, a.micro)
-        return None
+        return None if self.done else receive_tag(self.ex.index, self.actions[self.pos])
+
+    def receive_tags(self) -> list[Tag]:
+        """Every message this stage receives in the step, in the order it needs them."""
+        return [t for a in self.actions if (t := receive_tag(self.ex.index, a)) is not None]
+
+
+def receive_tag(stage: int, action: sched.Action) -> Tag | None:
+    """The message a receive action of `stage` takes; None for other actions."""
+    if action.kind == sched.RECV_ACT:
+        return Tag(ACT, stage - 1, action.micro)
+    if action.kind == sched.RECV_GRAD:
+        return Tag(GRAD, stage, action.micro)
+    return None
 
 
 class Pipeline:
@@ -60,7 +65,7 @@ class Pipeline:
         inputs = [tokens[k * mb:(k + 1) * mb, :-1] for k in range(plan.n_micro)]
         labels = [tokens[k * mb:(k + 1) * mb, 1:] for k in range(plan.n_micro)]
         runs = [_StageRun(ex, self.schedule[i]) for i, ex in sorted(self.executors.items())]
-        self.transport.prepost([t for r in runs for t in self._expected_receives(r)])
+        self.transport.prepost([t for r in runs for t in r.receive_tags()])
         while not all(r.done for r in runs):
             progressed = False
             for run in runs:
@@ -88,16 +93,6 @@ class Pipeline:
             return False
         a, b = run.actions[run.pos], run.actions[run.pos + 1]
         return b.kind == sched.B and b.micro == a.micro
-
-    def _expected_receives(self, run: _StageRun) -> list[Tag]:
-        tags = []
-        for pos in range(len(run.actions)):
-            run.pos = pos
-            tag = run.pending_tag()
-            if tag is not None:
-                tags.append(tag)
-        run.pos = 0
-        return tags
 
     def _execute(self, run: _StageRun, inputs, labels) -> None:
         a = run.actions[run.pos]
