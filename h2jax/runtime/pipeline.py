@@ -126,7 +126,13 @@ class Pipeline:
         run.pos += 1
 
     def _finish(self, runs: list[_StageRun]) -> float:
-        sq = {r.ex.index: r.ex.grad_squared_norm() for r in runs if r.ex.is_stage_leader}
+        # All processes of a stage compute its norm (a collective over the stage's mesh); only
+        # the stage's leader contributes it to the cross-stage sum.
+        sq = {}
+        for r in runs:
+            norm = r.ex.grad_squared_norm()
+            if r.ex.is_stage_leader:
+                sq[r.ex.index] = norm
         global_norm = float(np.sqrt(self.transport.sum_across_stages(sq)))
         for r in runs:
             r.ex.update(global_norm)

@@ -283,7 +283,9 @@ class StageExecutor:
     def grad_squared_norm(self) -> float:
         if self.clock is not None:
             self.clock.wait()  # known only once this stage's chip has finished its backward
-        return float(self._sq_norm(self.grad_acc))
+        # Every process of a multi-process stage must run this (it is a collective over the
+        # stage's mesh); the result is replicated, so the local copy is the whole value.
+        return float(self._sq_norm(self.grad_acc).addressable_data(0))
 
     def update(self, global_norm: float) -> None:
         """One optimizer step with the gradients accumulated since the last one."""
