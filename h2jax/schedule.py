@@ -109,6 +109,16 @@ def build(name: str, n_stages: int, n_micro: int) -> list[list[Action]]:
     return [stage_actions(name, i, n_stages, n_micro) for i in range(n_stages)]
 
 
+def backward_follows(actions: list[Action], pos: int) -> bool:
+    """Whether forward `actions[pos]` is directly followed by the backward of the same
+    micro-batch (the last stage under 1F1B): the runtime then runs both as one program."""
+    a = actions[pos]
+    if a.kind != F or pos + 1 >= len(actions):
+        return False
+    b = actions[pos + 1]
+    return b.kind == B and b.micro == a.micro
+
+
 def max_in_flight(actions: list[Action]) -> int:
     """Most micro-batches whose forward ran and whose backward has not, at any point.
 

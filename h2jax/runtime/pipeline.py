@@ -89,10 +89,7 @@ class Pipeline:
     @staticmethod
     def _backward_follows(run: _StageRun) -> bool:
         """The last stage's forward k is immediately followed by its backward k."""
-        if not run.ex.is_last or run.pos + 1 >= len(run.actions):
-            return False
-        a, b = run.actions[run.pos], run.actions[run.pos + 1]
-        return b.kind == sched.B and b.micro == a.micro
+        return run.ex.is_last and sched.backward_follows(run.actions, run.pos)
 
     def _execute(self, run: _StageRun, inputs, labels) -> None:
         a = run.actions[run.pos]

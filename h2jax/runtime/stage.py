@@ -224,7 +224,8 @@ class StageExecutor:
             dy = jax.ShapeDtypeStruct((mb, seq, d), self.boundary_dtype, sharding=self.boundary_sharding)
         norm = jax.ShapeDtypeStruct((), jnp.float32)
         update = self._update.lower(params, opt_state, acc, norm).compile()
-        fused, split = self._micro_batch_programs()
+        actions = sched.stage_actions(self.plan.schedule, self.index, self.plan.n_stages, self.plan.n_micro)
+        fused, split = self._micro_batch_programs(actions)
         steps, held, forward = [], (), None
         if fused:
             steps.append(self._forward_backward.lower(acc, params, x, labels, dy).compile())
@@ -237,20 +238,15 @@ class StageExecutor:
                 _, held = forward.out_info  # the forward returns (output, vjp closure)
                 backward = self._backward.lower(acc, held, dy).compile()
             steps += [forward, backward]
-        actions = sched.stage_actions(self.plan.schedule, self.index, self.plan.n_stages, self.plan.n_micro)
         in_flight = sched.max_in_flight(actions) if split else 0
         return StageMemory.of(self, update, steps, held, in_flight, forward)
 
-    def _micro_batch_programs(self) -> tuple[bool, bool]:
-        """(fused, split): whether the pipeline runs forward_backward (a last-stage forward k
-        directly followed by its backward k; see Pipeline._backward_follows) and whether it
-        runs separate forward and backward, for this stage's schedule."""
-        actions = sched.stage_actions(self.plan.schedule, self.index, self.plan.n_stages, self.plan.n_micro)
-        forwards = [i for i, a in enumerate(actions) if a.kind == sched.F]
+    def _micro_batch_programs(self, actions: list[sched.Action]) -> tuple[bool, bool]:
+        """(fused, split): whether the pipeline runs forward_backward (the same rule as
+        Pipeline._backward_follows) and whether it runs separate forward and backward."""
         follows = [
-            self.is_last and i + 1 < len(actions) and actions[i + 1].kind == sched.B
-            and actions[i + 1].micro == actions[i].micro
-            for i in forwards
+            self.is_last and sched.backward_follows(actions, i)
+            for i, a in enumerate(actions) if a.kind == sched.F
         ]
         return any(follows), not all(follows)
 
