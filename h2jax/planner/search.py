@@ -744,6 +744,20 @@ def _search_fast(
     return found
 
 
+def _search_dual(
+    ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
+) -> list[Candidate]:
+    """1F1B: boxes of (steady, tail) thresholds with Lagrangian bounds (dual_search.py)."""
+    from h2jax.planner import dual_search  # late: it builds on this module
+
+    top = _TopK(k)
+    try:
+        dual_search.search(ctx, micro_batches, top, stats, deadline)
+    except _OutOfTime:
+        stats.proved_optimal = False
+    return top.sorted()
+
+
 LOCAL_SEARCH_ROUNDS = 8
 
 
@@ -1172,7 +1186,10 @@ def top_k(
             stats.lower_bound_s = found[0].time_s
     else:
         deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
-        found = _search_fast(ctx, mbs, k, stats, deadline)
+        if schedule == "1f1b":
+            found = _search_dual(ctx, mbs, k, stats, deadline)
+        else:
+            found = _search_fast(ctx, mbs, k, stats, deadline)
     stats.search_time_s = time.perf_counter() - t0
     if not found and not stats.proved_optimal:
         raise PlannerError(

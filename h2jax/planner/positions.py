@@ -1,0 +1,301 @@
+"""Lower bounds over pipeline positions: a Lagrangian DP that prices the layer count.
+
+Under 1F1B a plan's iteration time is
+
+    (m - 1) * steady + tail + fill
+
+(cost_model.py): `steady` the largest per-micro-batch stage time or send, `tail` the largest
+dp-reduce + optimizer time, `fill` the sum of the stage times and twice the links. Fix two
+thresholds, steady <= V and tail <= tau. Every stage then holds at most
+
+    u_s(j) = min(memory cap at position j, floor((V - o_s) / a_s), floor((tau - te_s) / tl_s))
+
+layers (a_s: per-layer time, o_s / te_s: its end-stage time / tail terms, position j counted
+from the end: 1F1B keeps min(j, m) micro-batches in flight there), and every plan that meets
+both thresholds costs at least (m - 1) * V_lo + tau_lo + minfill(V, tau) for any V_lo <= its
+steady, tau_lo <= its tail. `minfill` couples the stages only through the layer count
+sum l_i = L; pricing it at lambda per layer (Lagrangian relaxation),
+
+    minfill(V, tau) >= lambda * L + min over stage lists of sum_i w_i(lambda),
+    w_i(lambda) = c_i + min over 1 <= l <= u_i of (a_i - lambda) * l,
+
+with c_i the stage's end-stage time and its own share of its send (each send costs at least
+the sender's bytes over the sender's links). Any lambda gives a valid bound. The stage lists
+are the search space's (chip types in pipeline order, each nothing or k <= K_s consecutive
+stages of one shape s) and the min over them is a DP over types from the end of the
+pipeline, its state the number q of stages behind:
+
+    F_t(q') = min(F_{t+1}(q'), min over s, k of F_{t+1}(q' - k) + W_s(q') - W_s(q' - k))
+
+with W_s the prefix sums of w over positions: a sliding-window minimum over q, vectorised
+over shapes and lambdas. The first and last stages (embedding, head) take their own terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from h2jax.planner import cost_model as cm
+
+MID, FIRST, LAST, ONLY = 0, 1, 2, 3
+ROLE_FLAGS = ((False, False), (True, False), (False, True), (True, True))  # (first, last)
+_EPS = 1e-9  # the floors' rounding slack, as in the search's layer caps
+
+
+@dataclasses.dataclass(frozen=True)
+class TypeTable:
+    """One chip type's stage shapes at one micro-batch size, as arrays over shapes."""
+
+    options: list  # search.Option per shape, `stages` = its most stages K_s
+    a: np.ndarray  # (S,) forward + backward seconds per layer and micro-batch
+    tail_layer: np.ndarray  # (S,) dp-reduce + optimizer seconds per layer
+    own_send: np.ndarray  # (S,) seconds of the sender's own term of each send it makes
+    send_bytes: np.ndarray  # (S,) bytes of one micro-batch's activation it sends
+    link_s_per_byte: np.ndarray  # (S,) seconds per byte over its stage's links (1/(D*T*bw))
+    k_max: np.ndarray  # (S,) most stages (chips // stage size, at most L)
+    end_time: np.ndarray  # (4, S) per role: end-stage seconds per micro-batch
+    end_tail: np.ndarray  # (4, S) per role: tail seconds that do not scale with layers
+    memcap: np.ndarray  # (4, S, L) per role and position j = 1..L: most layers in memory
+
+    @property
+    def size(self) -> int:
+        return len(self.options)
+
+
+def type_tables(ctx, b: int) -> list[TypeTable]:
+    """Per chip type (pipeline order), its shapes' arrays at micro-batch b (1F1B positions)."""
+    L, m = ctx.model.n_layers, ctx.global_batch // b
+    in_flight = np.minimum(np.arange(1, L + 1), m)
+    out = []
+    for shapes in ctx.type_shapes(b, prune_unfit=True):
+        S = len(shapes)
+        a, tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(6))
+        end_time, end_tail = np.zeros((4, S)), np.zeros((4, S))
+        memcap = np.zeros((4, S, L), dtype=np.int64)
+        for i, o in enumerate(shapes):
+            chip = ctx.chips[o.chip]
+            for role, (first, last) in enumerate(ROLE_FLAGS):
+                t = ctx.terms(b, o, first, last, 1)
+                end_time[role, i] = t.fwd_end + t.bwd_end
+                end_tail[role, i] = t.tail_end
+                room = t.mem.capacity - t.mem.params_end - t.mem.working - t.mem.reserve
+                per_layer = t.mem.layer_static + in_flight * t.mem.layer_activation
+                memcap[role, i] = -1 if room < 0 else np.minimum(np.floor(room / per_layer + _EPS), L)
+                if role == MID:
+                    a[i], tl[i] = t.fwd_layer + t.bwd_layer, t.tail_layer
+            nbytes = b * ctx.seq_len * ctx.model.d_model * cm.dtype_bytes(chip.precision.compute_dtype)
+            nb[i], rho[i] = nbytes, 1.0 / (o.data * o.tensor * chip.inter_node_gbps * 1e9)
+            own[i] = nbytes * rho[i]
+            kmax[i] = min(o.stages, L)
+        out.append(TypeTable(list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap))
+    return out
+
+
+def stage_caps(table: TypeTable, V: np.ndarray, tau: np.ndarray) -> np.ndarray:
+    """(R, 4, S, L) most layers per row (V[r], tau[r]), role, shape and position under
+    steady <= V and tail <= tau (< 1: the stage cannot be there)."""
+    V, tau = np.asarray(V, dtype=float)[:, None, None], np.asarray(tau, dtype=float)[:, None, None]
+    uv = np.floor((V - table.end_time[None]) / table.a + _EPS)
+    ut = np.floor((tau - table.end_tail[None]) / table.tail_layer + _EPS)
+    u = np.minimum(table.memcap[None], np.minimum(uv, ut)[..., None])
+    sends = _SENDS[None, :, None] & (table.own_send[None, None, :] > V)
+    u[np.broadcast_to(sends, u.shape[:3])] = 0  # a stage that sends cannot outpace its own links
+    return u
+
+
+_SENDS = np.array([True, True, False, False])  # roles that send to a next stage
+
+
+def live_tables(tables: Sequence[TypeTable], V: np.ndarray, tau: np.ndarray) -> list[tuple[TypeTable, np.ndarray]]:
+    """Per chip type, the shapes that can hold a stage somewhere in some row, with their caps."""
+    out = []
+    for t in tables:
+        if not t.size:
+            out.append((t, np.zeros((len(V), 4, 0, t.memcap.shape[-1]))))
+            continue
+        u = stage_caps(t, V, tau)
+        alive = (u >= 1).any(axis=(0, 1, 3))
+        if alive.all():
+            out.append((t, u))
+            continue
+        keep = np.nonzero(alive)[0]
+        sub = TypeTable(
+            [t.options[i] for i in keep], t.a[keep], t.tail_layer[keep], t.own_send[keep], t.send_bytes[keep],
+            t.link_s_per_byte[keep], t.k_max[keep], t.end_time[:, keep], t.end_tail[:, keep], t.memcap[:, keep],
+        )
+        out.append((sub, u[:, :, keep]))
+    return out
+
+
+def _sparse_table(h: np.ndarray) -> np.ndarray:
+    """(..., LEV, n): level v holds min of h over [i, i + 2**v), inf past the end."""
+    n = h.shape[-1]
+    levels = [h]
+    span = 1
+    while span * 2 <= n:
+        prev = levels[-1]
+        nxt = np.full_like(prev, np.inf)
+        nxt[..., : n - span] = np.minimum(prev[..., : n - span], prev[..., span:])
+        levels.append(nxt)
+        span *= 2
+    return np.stack(levels, axis=-2)
+
+
+def _range_min(table: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """min over [lo, hi] (inclusive, lo <= hi) of the sparse table's row, per (..., S, i):
+    `table` is (..., S, LEV, n), lo and hi are (S, N) index arrays."""
+    n = table.shape[-1]
+    lev = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
+    flat = table.reshape(*table.shape[:-2], -1)
+    shape = flat.shape[:-1] + lo.shape[-1:]
+    g1 = np.take_along_axis(flat, np.broadcast_to(lev * n + lo, shape), axis=-1)
+    g2 = np.take_along_axis(flat, np.broadcast_to(lev * n + hi - (1 << lev) + 1, shape), axis=-1)
+    return np.minimum(g1, g2)
+
+
+def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
+    """M[..., s, i] = min of H[..., s, q] over q in [max(0, i + 1 - k_max[s]), i], i = 0..n-1
+    (the windows of the DP: q' = i + 1 stages, the block's k <= k_max[s] stages in front of q).
+
+    A window of length k is covered by two blocks of length 2**floor(log2 k), one starting at
+    its start and one ending at its end (minima over 2**v-blocks by doubling); windows cut at 0
+    are prefix minima."""
+    n = H.shape[-1]
+    out = np.minimum.accumulate(H, axis=-1)  # the windows that reach q = 0
+    k = np.minimum(k_max, n).astype(np.int64)
+    short = sorted(set(k[k < n].tolist()))
+    if not short:
+        return out
+    levels = [H]
+    while 2 ** len(levels) <= max(short):
+        P, span = levels[-1], 2 ** (len(levels) - 1)
+        nxt = np.full_like(P, np.inf)
+        nxt[..., : n - span] = np.minimum(P[..., : n - span], P[..., span:])
+        levels.append(nxt)
+    for kk in short:
+        sel = np.nonzero(k == kk)[0]
+        lev = kk.bit_length() - 1
+        span = 1 << lev
+        P = levels[lev][..., sel, :]
+        out[..., sel, kk - 1:] = np.minimum(P[..., : n - kk + 1], P[..., kk - span: n - span + 1])
+    return out
+
+
+@dataclasses.dataclass
+class Weights:
+    """Per chip type, the Lagrangian stage terms w per row (thresholds and lambda)."""
+
+    Wm: np.ndarray  # (R, S, L+1): sum of w over mid positions 1..j (infeasible ones as 0)
+    first: np.ndarray  # (R, S, L+1): w of a first stage at position j (index 0 unused)
+    last1: np.ndarray  # (R, S): w of the last stage (position 1)
+    only1: np.ndarray  # (R, S): w of a one-stage pipeline
+    mid_ok: np.ndarray  # (R, S, L+1): positions 2..j all hold a mid stage of the shape
+
+
+def weights(
+    table: TypeTable, u: np.ndarray, lams: np.ndarray, rows: np.ndarray | None = None, capacity: bool = False
+) -> Weights:
+    """w per row from the caps u (B, 4, S, L) of row r's box rows[r] (default: row r) and
+    lams[r]; `capacity`: w = -u instead (the DP then gives minus the most layers any stage
+    list holds)."""
+    B, _, S, L = u.shape
+    rows = np.arange(B) if rows is None else rows
+    R = len(rows)
+    const = table.end_time.copy()
+    const[MID] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
+    const[FIRST] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
+    if capacity:
+        const[:] = 0.0
+        slope = -np.ones((R, S))
+    else:
+        slope = table.a[None, :] - np.asarray(lams, dtype=float)[:, None]  # (R, S)
+    down = slope < 0  # lambda above the per-layer time: take every layer allowed
+
+    def w(role: int, cap: np.ndarray) -> np.ndarray:  # cap: (R, S, n)
+        val = const[role][None, :, None] + slope[:, :, None] * np.where(down[:, :, None], cap, 1.0)
+        val[cap < 1] = np.inf
+        return val
+
+    mid_cap = u[:, MID][rows]
+    ok = mid_cap >= 1
+    Wm = np.zeros((R, S, L + 1))
+    mid = w(MID, mid_cap)
+    mid[~ok] = 0.0
+    np.cumsum(mid, axis=-1, out=Wm[..., 1:])
+    first = np.full((R, S, L + 1), np.inf)
+    first[..., 1:] = w(FIRST, u[:, FIRST][rows])
+    mid_ok = np.ones((R, S, L + 1), dtype=bool)
+    mid_ok[..., 2:] = np.logical_and.accumulate(ok[..., 1:], axis=-1)
+    end = u[:, :, :, 0][rows]  # (R, 4, S): position 1
+    return Weights(Wm, first, w(LAST, end[:, LAST, :, None])[..., 0], w(ONLY, end[:, ONLY, :, None])[..., 0], mid_ok)
+
+
+def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) -> np.ndarray:
+    """min over stage lists of sum_i w_i, per row (inf: none feasible): types from the end,
+    F[q] the least cost of the blocks behind that fill the last q stages."""
+    F = np.full((R, L + 1), np.inf)
+    ans = np.full(R, np.inf)
+    for table, w in zip(reversed(tables), reversed(ws)):
+        if not table.size:
+            continue
+        H = np.empty((R, table.size, L))  # H[q] for q = 0..L-1 (q = 0: this is the last block)
+        H[..., 0] = w.last1 - w.Wm[..., 1]
+        H[..., 1:] = F[:, None, 1:L] - w.Wm[..., 1:L]
+        M = _window_min(H, table.k_max)  # (R, S, L): q' = 1..L, k <= k_max stages
+        block = np.where(w.mid_ok[..., 1:], w.Wm[..., 1:] + M, np.inf)
+        front = np.where(w.mid_ok[..., 1:L], w.Wm[..., 1:L] + w.first[..., 2:] + M[..., 1:], np.inf)
+        ans = np.minimum(ans, np.minimum(front.min(axis=(1, 2)), w.only1.min(axis=1)))
+        F = F.copy()
+        F[:, 1:] = np.minimum(F[:, 1:], block.min(axis=1))
+    return ans
+
+
+def front_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int) -> list[np.ndarray]:
+    """G[t][q] (row 0): the least cost of a nonempty front part made of types < t whose
+    stages sit at positions q+1, q+2, ... (q >= 1 stages behind it), its first stage in front."""
+    G = [np.full(L + 2, np.inf)]
+    j = np.arange(1, L + 1)[None, :]  # q = 1..L as the block's start offset
+    for table, w in zip(tables, ws):
+        g = G[-1]
+        if not table.size:
+            G.append(g)
+            continue
+        Wm, first, mid_ok = w.Wm[0], w.first[0], w.mid_ok[0]  # (S, L+1)
+        # X[j]: blocks ending at position j with more types in front; Y[j]: the block is the front
+        X = np.where(mid_ok, Wm + g[None, : L + 1], np.inf)
+        Y = np.full_like(X, np.inf)
+        Y[:, 1:] = np.where(mid_ok[:, :L], Wm[:, :L] + first[:, 1:], np.inf)
+        Z = np.minimum(X, Y)
+        lo = np.minimum(j + 1, L)  # positions q+1 .. q+k_max
+        hi = np.minimum(j + table.k_max[:, None], L)
+        best = _range_min(_sparse_table(Z), np.broadcast_to(lo, hi.shape), hi)  # (S, L): q = 1..L
+        best = np.where(j + 1 <= L, best, np.inf)
+        new = g.copy()
+        new[1: L + 1] = np.minimum(g[1: L + 1], (best - Wm[:, 1:]).min(axis=0))
+        G.append(new)
+    return G
+
+
+def max_layers(live: Sequence[tuple[TypeTable, np.ndarray]], L: int) -> np.ndarray:
+    """Per row, the most layers any stage list holds with every stage within its caps."""
+    B = live[0][1].shape[0]
+    ws = [weights(t, u, np.zeros(B), capacity=True) for t, u in live]
+    return -back_dp([t for t, _ in live], ws, L, B)
+
+
+def lagrangian(
+    tables: Sequence[TypeTable], L: int, V: np.ndarray, tau: np.ndarray, box: np.ndarray, lams: np.ndarray
+) -> np.ndarray:
+    """Per row r: lams[r] * L + min over stage lists of sum_i w_i(lams[r]) at the thresholds
+    (V, tau)[box[r]]: a lower bound on the fill of every plan with steady <= V and tail <= tau;
+    inf where no stage list holds the L layers under them."""
+    live = live_tables(tables, V, tau)  # caps per box
+    box = np.asarray(box, dtype=np.int64)
+    fits = max_layers(live, L) >= L
+    ws = [weights(t, u, lams, box) for t, u in live]
+    out = np.asarray(lams, dtype=float) * L + back_dp([t for t, _ in live], ws, L, len(box))
+    return np.where(fits[box], out, np.inf)
