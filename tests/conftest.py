@@ -1,12 +1,36 @@
 """Test setup: 8 forced CPU devices (set before JAX initializes) and shared fixtures."""
 
+import importlib.metadata
 import os
+import subprocess
+import sys
+
+
+def _xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows `flag`: XLA exits the process (status 1, a line on
+    stderr that pytest swallows) on an unknown flag in XLA_FLAGS. jaxlib 0.10.2 knows
+    --xla_cpu_use_fusion_emitters; 0.11.2 does not (seen on 2026-11-29). Probed in a
+    subprocess (about a second) only from jaxlib 0.11 on."""
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        major, minor = 0, 0
+    if (major, minor) < (0, 11):
+        return True
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    return probe.returncode == 0
+
 
 # Tests run tiny models, where XLA's compile time dwarfs run time. The CPU compiler's
 # fusion emitters and LLVM optimization cost seconds per program and buy nothing at this
 # size: off, a stage compiles ~5x faster. Numerics are what the tests compare, and both
-# sides of every comparison compile under the same flags. (MPI jobs inherit them.)
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# sides of every comparison compile under the same flags. (MPI jobs inherit them.) Newer
+# XLA has no switch for the fusion emitters; there only the optimization level is set.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if _xla_accepts("--xla_cpu_use_fusion_emitters=false"):
+    TEST_XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + TEST_XLA_FLAGS
 ).strip()

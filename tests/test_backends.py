@@ -80,5 +80,8 @@ def test_platform_missing_from_a_started_jax_is_a_clear_error(tmp_path, monkeypa
     gaudi = (tmp_path / "intel-gaudi2.toml").read_text().replace('path = ""', f'path = "{tmp_path / "pjrt_gaudi.so"}"')
     (tmp_path / "intel-gaudi2.toml").write_text(gaudi)
     monkeypatch.setenv("H2JAX_BACKENDS_DIR", str(tmp_path))
+    import jax
+
+    jax.devices()  # start JAX (the tests' CPU platform) here: alone or first in a worker, nothing else has
     with pytest.raises(ConfigError, match=r"JAX already started with platforms \['cpu'\] and cannot add \['gaudi'\]"):
         backends.select_platforms(["cpu", "intel-gaudi2"])

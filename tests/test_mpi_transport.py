@@ -231,9 +231,10 @@ def test_h2jax_run_refuses_a_process_count_the_plan_does_not_expect(tmp_path):
                    {"chip": "cpu", "mesh": {"data": 1, "tensor": 2}, "layers": [2, 4], "processes": 2}],
     })
     save_plan(plan, tmp_path / "plan.json")
-    h2jax = Path(sys.executable).parent / "h2jax"
+    # `python -m h2jax` is the `h2jax` script's entry point, and runs from a checkout too
+    # (PYTHONPATH=., no install), where no script exists beside the interpreter.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([MPIEXEC, "-n", "2", str(h2jax), "run", "--plan", str(tmp_path / "plan.json")],
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "h2jax", "run", "--plan", str(tmp_path / "plan.json")],
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     out = proc.stdout + proc.stderr
