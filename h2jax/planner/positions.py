@@ -197,26 +197,28 @@ class Weights:
 
 
 def weights(
-    table: TypeTable, u: np.ndarray, lams: np.ndarray, rows: np.ndarray | None = None, capacity: bool = False
+    table: TypeTable, u: np.ndarray, lams: np.ndarray, rows: np.ndarray | None = None,
+    capacity: np.ndarray | bool = False,
 ) -> Weights:
-    """w per row from the caps u (B, 4, S, L) of row r's box rows[r] (default: row r) and
-    lams[r]; `capacity`: w = -u instead (the DP then gives minus the most layers any stage
-    list holds)."""
+    """w per row r from the caps u (B, 4, S, L) of its box rows[r] (default: row r) and lams[r];
+    capacity rows (`capacity[r]`) take w = -u instead: the DP then gives minus the most layers
+    any stage list holds."""
     B, _, S, L = u.shape
     rows = np.arange(B) if rows is None else rows
     R = len(rows)
+    cap_rows = np.broadcast_to(np.asarray(capacity, dtype=bool), (R,))
     const = table.end_time.copy()
     const[MID] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
     const[FIRST] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
-    if capacity:
-        const[:] = 0.0
-        slope = -np.ones((R, S))
-    else:
-        slope = table.a[None, :] - np.asarray(lams, dtype=float)[:, None]  # (R, S)
-    down = slope < 0  # lambda above the per-layer time: take every layer allowed
+    slope = table.a[None, :] - np.asarray(lams, dtype=float)[:, None]  # (R, S)
+    slope[cap_rows] = -1.0
+    cr = cap_rows[:, None]
+    down = (slope < 0)[:, :, None]  # lambda above the per-layer time: take every layer allowed
+    slope3 = slope[:, :, None]
 
     def w(role: int, cap: np.ndarray) -> np.ndarray:  # cap: (R, S, n)
-        val = const[role][None, :, None] + slope[:, :, None] * np.where(down[:, :, None], cap, 1.0)
+        c = np.where(cr, 0.0, const[role][None, :])[:, :, None]
+        val = c + slope3 * np.where(down, cap, 1.0)
         val[cap < 1] = np.inf
         return val
 
@@ -292,10 +294,15 @@ def lagrangian(
 ) -> np.ndarray:
     """Per row r: lams[r] * L + min over stage lists of sum_i w_i(lams[r]) at the thresholds
     (V, tau)[box[r]]: a lower bound on the fill of every plan with steady <= V and tail <= tau;
-    inf where no stage list holds the L layers under them."""
+    inf where no stage list holds the L layers under them. One DP: the rows, then one
+    capacity row per box."""
     live = live_tables(tables, V, tau)  # caps per box
     box = np.asarray(box, dtype=np.int64)
-    fits = max_layers(live, L) >= L
-    ws = [weights(t, u, lams, box) for t, u in live]
-    out = np.asarray(lams, dtype=float) * L + back_dp([t for t, _ in live], ws, L, len(box))
-    return np.where(fits[box], out, np.inf)
+    R, B = len(box), len(V)
+    rows = np.concatenate([box, np.arange(B)])
+    lam_rows = np.concatenate([np.asarray(lams, dtype=float), np.zeros(B)])
+    capacity = np.arange(R + B) >= R
+    ws = [weights(t, u, lam_rows, rows, capacity) for t, u in live]
+    dp = back_dp([t for t, _ in live], ws, L, R + B)
+    fits = -dp[R:] >= L
+    return np.where(fits[box], lam_rows[:R] * L + dp[:R], np.inf)
