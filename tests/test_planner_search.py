@@ -112,4 +112,4 @@ def test_time_limit_returns_the_best_found_with_a_valid_lower_bound():
         assert stats.lower_bound_s == pytest.approx(best.time_s)
     else:
         assert 0.0 <= stats.lower_bound_s <= best.time_s
-    assert best.time_s < 17.0  # the greedy + local-search incumbent uses the cluster well
+    assert best.time_s < 17.0  # the incumbents (dives of the enumeration) use the cluster well
