@@ -57,6 +57,7 @@ class _Batch:
     v_fits: float  # just above it: some stage list holds the model with every stage under it
     lam_grid: np.ndarray
     tail_max: float  # no stage's tail exceeds this
+    rows: int = 0  # bound rows evaluated, for SearchStats
 
 
 def _bounds(
@@ -103,6 +104,7 @@ MAX_ROWS = 12  # rows per DP call: larger arrays fall out of the caches and cost
 def _lagrangian_rows(batch: _Batch, L: int, V: list, tau: list, box: np.ndarray, lams: np.ndarray) -> np.ndarray:
     """pos.lagrangian in chunks of at most MAX_ROWS rows."""
     out = np.empty(len(box))
+    batch.rows += len(box)
     for start in range(0, len(box), MAX_ROWS):
         sl = slice(start, start + MAX_ROWS)
         used = np.unique(box[sl])
@@ -353,6 +355,8 @@ def search(
                 push_all(batch, children)
         except _OutOfTime:
             stats.lower_bound_s = min([*open_lbs, *(b.lb for b in heap)], default=top.bound)
+            stats.bound_rows = sum(b.rows for b in batches.values() if b is not None)
             raise
     if top.heap:
         stats.lower_bound_s = top.sorted()[0].time_s
+    stats.bound_rows = sum(b.rows for b in batches.values() if b is not None)

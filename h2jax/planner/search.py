@@ -1,6 +1,11 @@
-"""HeteroAuto's search: the fastest plan under the cost model, exactly, by branch and bound.
+"""HeteroAuto's search: the fastest plan under the cost model, exactly.
 
-The space (the same for the fast search and `exhaustive=True`):
+1F1B plans are searched by dual_search.py (boxes of steady/tail thresholds bounded by the
+Lagrangian DP of positions.py); this module holds the space, one stage list's exact layer
+split (`best_split`, which both searches use), the branch and bound that GPipe plans keep,
+the exhaustive reference and `top_k`, the entry point.
+
+The space (the same for every search and `exhaustive=True`):
 
 - chip types in pipeline order by memory, largest first (they hold the most in-flight
   micro-batches under 1F1B), ties by peak FLOP/s then name;
@@ -11,7 +16,7 @@ The space (the same for the fast search and `exhaustive=True`):
   (chips may stay unused);
 - a layer split: l_i >= 1 layers per stage, sum l_i = n_layers, every stage within memory.
 
-Fast search (docs/planner.md, "The search", has the details):
+GPipe's branch and bound (docs/planner.md, "The search", has the details):
 
 1. Per micro-batch size and chip type, the options (k, D, T, r) with their per-layer time
    c = forward + backward of one layer; options whose single layer does not fit even with one
@@ -114,6 +119,7 @@ class SearchStats:
     configs_visited: int = 0  # leaves whose layer split was solved
     plans_evaluated: int = 0  # (stage list, layer split) pairs whose iteration time was computed
     space_size: int = 0  # stage lists in the space (before layer splits)
+    bound_rows: int = 0  # 1F1B: Lagrangian DP rows evaluated (one per box and lambda)
     search_time_s: float = 0.0
     proved_optimal: bool = True  # False when a time limit stopped the search early
     # A valid lower bound on the optimum's iteration time (the best root bound over micro-batch
