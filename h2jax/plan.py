@@ -62,6 +62,9 @@ class Optimizer:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float | None = 1.0
+    # ZeRO-1: each stage's optimizer state (AdamW's moments) split over its `data` axis, as
+    # the planner's memory model assumes; parameters and gradients stay replicated over it.
+    shard_over_data: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -220,6 +223,8 @@ def _parse_optimizer(raw: Any) -> Optimizer:
         raise PlanError(f"optimizer.learning_rate must be positive, got {opt.learning_rate!r}")
     if opt.clip_norm is not None and not opt.clip_norm > 0:
         raise PlanError("optimizer.clip_norm must be positive, or null to disable clipping")
+    if not isinstance(opt.shard_over_data, bool):
+        raise PlanError(f"optimizer.shard_over_data must be true or false, got {opt.shard_over_data!r}")
     return opt
 
 

@@ -66,6 +66,21 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> dict:
     return _pure(state, lambda v: NamedSharding(mesh, logical_to_spec(v.get_metadata()["logical_axes"])))
 
 
+def over_data(sharding: NamedSharding, shape: tuple[int, ...], axis: str = "data") -> NamedSharding:
+    """ZeRO-1's layout for an optimizer moment: its parameter's sharding with, in addition, the
+    first dimension that is not sharded yet and divides evenly split over `axis`; unchanged
+    where the mesh has no such axis of size > 1 or no dimension qualifies."""
+    size = dict(sharding.mesh.shape).get(axis, 1)
+    if size <= 1 or not shape:
+        return sharding
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for i, (dim, entry) in enumerate(zip(shape, spec)):
+        if entry is None and dim % size == 0:
+            spec[i] = axis
+            return NamedSharding(sharding.mesh, P(*spec))
+    return sharding
+
+
 def shape_tree(state: nnx.State) -> dict:
     return _pure(state, lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype))
 

@@ -59,6 +59,7 @@ def test_valid_plan_round_trips(tmp_path):
         ({"stage1_devices": [0, 1, 2]}, r"stages\[1\]\.devices lists 3 device\(s\) but mesh data\*tensor = 2"),
         ({"seq_len": 0}, r"plan\.seq_len must be an integer >= 1, got 0"),
         ({"optimizer": {"name": "lion"}}, r"optimizer\.name 'lion' is unknown"),
+        ({"optimizer": {"shard_over_data": "yes"}}, r"optimizer\.shard_over_data must be true or false"),
         ({"stages": []}, r"stages must be a non-empty list"),
     ],
 )

@@ -97,12 +97,12 @@ def main(args: argparse.Namespace) -> int:
 
     console.print(f"   ({time.perf_counter() - t_start:.0f} s)")
     console.print("2. Planning with HeteroAuto on the measured profile (h2jax plan)...")
-    # The runtime keeps optimizer state replicated over `data` (no ZeRO-1 yet) and the profile
-    # measured recompute "none": plan for exactly that, so the plan's memory is the runtime's.
+    # The profile measured recompute "none" with one sequence per micro-batch: plan for
+    # exactly that, so the plan's costs are the measured ones.
     planning = cluster
     for attempt in range(MAX_REPLANS + 1):
         result = plan_cluster(planning, args.model, args.seq_len, args.global_batch, profile=profile,
-                              shard_optimizer=False, recompute=("none",), micro_batches=(1,))
+                              recompute=("none",), micro_batches=(1,))
         plan = result.plan
         console.print(plan_table(plan, title=f"HeteroAuto plan: {plan.n_stages} stages, {plan.n_micro} "
                                  f"micro-batches of {plan.micro_batch} x {plan.seq_len} tokens, {plan.schedule}"))

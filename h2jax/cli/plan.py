@@ -103,10 +103,7 @@ def refined_by_simulation(result: Any, cluster: Any, profile: Any) -> Any:
     best, sim = ranked[0]
     predicted = dict(result.plan.predicted)
     if best != candidates[0]:
-        options = CostOptions(
-            shard_optimizer=predicted.get("optimizer_sharded_over_data", True), optimizer=best.optimizer.name
-        )
-        predicted.update(predict(best, cluster, profile, options))
+        predicted.update(predict(best, cluster, profile, CostOptions.of(best)))
     predicted["simulated_iteration_time_s"] = sim.iteration_s
     predicted["refined_with_sim"] = {
         "k": len(candidates),

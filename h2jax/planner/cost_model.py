@@ -149,6 +149,15 @@ class CostOptions:
     shard_optimizer: bool = True  # ZeRO-1: optimizer state sharded over `data`
     optimizer: str = "adamw"
 
+    @classmethod
+    def of(cls, plan: Plan) -> "CostOptions":
+        """The choices a plan file records (its optimizer and whether its state is sharded)."""
+        return cls.of_optimizer(plan.optimizer)
+
+    @classmethod
+    def of_optimizer(cls, optimizer: Optimizer) -> "CostOptions":
+        return cls(shard_optimizer=optimizer.shard_over_data, optimizer=optimizer.name)
+
 
 def stage_terms(
     model: ModelConfig,
@@ -266,7 +275,7 @@ def plan_stage_terms(
     chips = chips_by_name(cluster_or_chips, plan)
     if profile is not None:
         profile.check_matches(plan.model, plan.seq_len)
-    options = options or CostOptions(optimizer=plan.optimizer.name)
+    options = options or CostOptions.of(plan)
     p = plan.n_stages
     out = []
     for i, st in enumerate(plan.stages):

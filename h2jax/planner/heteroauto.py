@@ -40,7 +40,7 @@ def predict(
     options: cm.CostOptions | None = None,
 ) -> dict[str, Any]:
     """The figures `predicted` holds, computed through the public stage_costs/iteration_time."""
-    options = options or cm.CostOptions(optimizer=plan.optimizer.name)
+    options = options or cm.CostOptions.of(plan)
     costs = cm.stage_costs(plan, cluster, profile, options)
     terms = cm.plan_stage_terms(plan, cluster, profile, options)
     t = cm.iteration_time(costs, plan.n_micro, plan.schedule)
@@ -98,7 +98,8 @@ def plan_cluster(
     a different batch, labelled batch-mismatched; the ratio always uses the matched ones.
     """
     model = get_config(model)
-    options = cm.CostOptions(shard_optimizer=shard_optimizer, optimizer=optimizer.name)
+    optimizer = dataclasses.replace(optimizer, shard_over_data=shard_optimizer)  # the plan records it
+    options = cm.CostOptions.of_optimizer(optimizer)
     search_kwargs = dict(
         schedule=schedule, exhaustive=exhaustive, profile=profile,
         micro_batches=micro_batches, recompute=recompute, options=options, time_limit_s=time_limit_s,

@@ -30,6 +30,7 @@ from h2jax.sharding import (
     TOKENS_AXES,
     make_mesh,
     named,
+    over_data,
     param_shardings,
     shape_tree,
 )
@@ -99,12 +100,15 @@ class StageExecutor:
         self.graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
         self.param_sharding = param_shardings(abstract_state, self.mesh)
         self.tx = make_optimizer(plan.optimizer)
-        # Optimizer moments take their parameter's layout; scalars (step counts) are
-        # replicated on the stage mesh. Every step's outputs are pinned to these layouts.
+        # Optimizer moments take their parameter's layout, split over `data` as well under
+        # ZeRO-1 (plan.optimizer.shard_over_data: XLA then reduce-scatters the update's
+        # inputs and all-gathers the new parameters); scalars (step counts) are replicated on
+        # the stage mesh. Every step's outputs are pinned to these layouts.
         replicated = NamedSharding(self.mesh, PartitionSpec())
+        zero1 = plan.optimizer.shard_over_data
         self.opt_sharding = optax.tree_map_params(
             self.tx,
-            lambda _, sharding: sharding,
+            lambda leaf, sharding: over_data(sharding, leaf.shape) if zero1 else sharding,
             jax.eval_shape(self.tx.init, shape_tree(abstract_state)),
             self.param_sharding,
             transform_non_params=lambda _: replicated,
