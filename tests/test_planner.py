@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from h2jax.cluster import ChipType, ChipGroup, Cluster, Precision, load_chip
+from pathlib import Path
+
+from h2jax.cluster import ChipType, ChipGroup, Cluster, Precision, load_chip, load_cluster
 from h2jax.config import PRESETS, ConfigError
 from h2jax.plan import Mesh, Plan, Stage, plan_from_dict, save_plan, load_plan
 from h2jax.planner import (
@@ -197,6 +199,15 @@ def test_model_that_cannot_fit_names_the_constraint():
     cluster = Cluster((ChipGroup(tiny_mem, 2),), name="toy")
     with pytest.raises(PlannerError, match=r"no plan fits: small \(8 layers.*cpu: a stage with recompute=full, tensor=2, data=1.*holds at most 0 layer"):
         plan_cluster(cluster, "small", 64, 8)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_gpipe_that_cannot_fit_says_how_many_micro_batches_it_holds():
+    cluster = load_cluster(REPO / "plans" / "cluster-64.toml")
+    with pytest.raises(PlannerError, match=r"2048 micro-batch\(es\) in flight.*--schedule 1f1b"):
+        plan_cluster(cluster, "llama-100b", 4096, 2048, schedule="gpipe", baselines=False)
 
 
 def test_micro_batches_that_divide_nothing_are_rejected():

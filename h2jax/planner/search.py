@@ -1212,27 +1212,31 @@ def explain_unfit(ctx: _Context, micro_batches: Sequence[int]) -> str:
     model, L, b = ctx.model, ctx.model.n_layers, min(micro_batches)
     name = preset_name(model) or "the model"
     lines, total = [], 0
+    # 1F1B: the last stage holds one micro-batch; GPipe: every stage holds all m of them
+    gpipe = ctx.schedule == "gpipe"
+    in_flight = ctx.global_batch // b if gpipe else 1
     for chip_name in ctx.order:
         chip, count = ctx.chips[chip_name], ctx.counts[chip_name]
         t = max(x for x in tensor_sizes(model, chip) if x <= count)
         d = max(x for x in divisors(b) if x * t <= count)
         probe = Option(chip_name, 1, d, t, "full", 0.0)
-        mem = ctx.terms(b, probe, False, False, 1).mem
+        mem = ctx.terms(b, probe, False, False, in_flight).mem
         fits = max(mem.max_layers(), 0)
-        per_layer = (mem.layer_static + mem.layer_activation) / GIB
+        per_layer = (mem.layer_static + mem.in_flight * mem.layer_activation) / GIB
         room = (mem.capacity - mem.reserve - mem.working) / GIB
         stages = count // (d * t)
         total += fits * min(stages, L)
         lines.append(
-            f"{chip_name}: a stage with recompute=full, tensor={t}, data={d}, micro-batch {b} and one "
-            f"micro-batch in flight holds at most {fits} layer(s) ({per_layer:.2f} GiB per layer, "
+            f"{chip_name}: a stage with recompute=full, tensor={t}, data={d}, micro-batch {b} and "
+            f"{in_flight} micro-batch(es) in flight holds at most {fits} layer(s) ({per_layer:.2f} GiB per layer, "
             f"{room:.2f} GiB usable per chip); {stages} such stage(s) fit in {count} chips"
         )
     return (
         f"no plan fits: {name} ({L} layers, seq_len {ctx.seq_len}) does not fit on this cluster even "
         f"with full recomputation and the largest tensor size; the cluster holds at most about {total} "
         f"of {L} layers. Per chip type: " + "; ".join(lines)
-        + ". Add chips, shorten --seq-len, or choose a smaller model."
+        + ". Add chips, shorten --seq-len, or choose a smaller model"
+        + (" (or --schedule 1f1b: GPipe keeps every micro-batch's activations until its backward)." if gpipe else ".")
     )
 
 
