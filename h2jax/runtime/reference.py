@@ -29,6 +29,9 @@ class ReferenceModel:
             self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build())))()
             self.tx = make_optimizer(plan.optimizer)
             self.opt_state = jax.jit(self.tx.init)(self.params)
+        # Committed to the device like every step's outputs, so the step compiles once (an
+        # uncommitted first input is a different signature and would compile it twice).
+        self.params, self.opt_state = jax.device_put((self.params, self.opt_state), device)
         self.device = device
         clip_norm = plan.optimizer.clip_norm
 
