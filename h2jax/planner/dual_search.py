@@ -1,21 +1,25 @@
-"""The exact 1F1B search: intervals of (steady, tail) thresholds, Lagrangian bounds, enumeration.
+"""The exact search: boxes of (steady, tail) thresholds, Lagrangian bounds, enumeration.
 
-Every plan's 1F1B iteration time is (m - 1) * steady + tail + fill (cost_model.py). The
-search covers, per micro-batch size b, the plane of thresholds (V, tau) with boxes
-[V_lo, V_hi] x [tau_lo, tau_hi]; every plan whose steady and tail fall in a box costs at least
+A plan's iteration time is (m - 1) * steady + tail + fill (cost_model.py), with steady one
+component under 1F1B (the largest forward + backward of a stage, or send) and two under GPipe
+(the largest forward plus the largest backward). The search covers, per micro-batch size b,
+the space of thresholds x = (steady components..., tail) with boxes [lo, hi]; every plan
+whose steady components and tail fall in a box costs at least
 
-    (m - 1) * V_lo + tau_lo + lagrangian_fill(V_hi, tau_hi)        (positions.py)
+    sum_d w_d * lo_d + lagrangian_fill(hi)        (w: m - 1 per steady component, 1 the tail;
+                                                   the fill bound: positions.py)
 
 Boxes are taken best bound first (a heap over all micro-batch sizes). A box whose bound cannot
-beat the incumbent (the K-th best, for top-K) is dropped; a wide one is halved along its
-costlier side (so its bound rises); a narrow one is *resolved*: a depth-first enumeration of
+beat the incumbent (the K-th best, for top-K) is dropped; a box ends where the incumbent
+would be beaten by its width alone (lo_d + gap / w_d); a wide one is halved along its
+costliest side (so its bound rises); a narrow one is *resolved*: a depth-first enumeration of
 the stage lists whose Lagrangian bound in the box can still win, chip types from the end of
 the pipeline, each partial list bounded by its cost so far plus the best front completion
 (`front_dp`); each list that survives is solved exactly by `best_split` (the real objective,
 not the thresholds). A plan in the box that beats the incumbent has a list whose bound in
 the box is below it, so that list is solved: when the heap is empty, the incumbent is the
 optimum of the space. Incumbents come from shallow dives of the same enumeration at the
-smallest feasible bottleneck of each micro-batch size and a few multiples of it.
+smallest feasible bottleneck of the most promising micro-batch sizes and a few multiples.
 """
 
 from __future__ import annotations
@@ -48,31 +52,46 @@ LAMBDA_WIDER = np.array([0.06, 0.15, 0.4])
 
 @dataclasses.dataclass
 class _Batch:
-    """One micro-batch size's tables and the bottleneck below which nothing fits."""
+    """One micro-batch size's tables. Its thresholds are K steady components (1F1B: the
+    stages' forward + backward; GPipe: forward, backward), each weighted m - 1 in the
+    iteration time, and the tail, weighted 1."""
 
     b: int
     m: int
     tables: list[pos.TypeTable]
-    v_feasible: float  # every plan's steady is >= this
-    v_fits: float  # just above it: some stage list holds the model with every stage under it
+    v_feasible: float  # 1F1B: every plan's steady is >= this (GPipe: 0)
+    v_fits: float  # some stage list holds the model with every steady component under it
     lam_grid: np.ndarray
     tail_max: float  # no stage's tail exceeds this
     rows: int = 0  # bound rows evaluated, for SearchStats
 
+    @property
+    def K(self) -> int:
+        return self.tables[0].steady_a.shape[0]
+
+    @property
+    def weight(self) -> np.ndarray:
+        """Each threshold's weight in the iteration time: m - 1 per steady component, 1 the tail."""
+        return np.array([self.m - 1.0] * self.K + [1.0])
+
+    def corner(self, V: float, tau: float) -> np.ndarray:
+        """Thresholds with every steady component at V."""
+        return np.array([V] * self.K + [tau])
+
 
 def _bounds(
-    batch: _Batch, L: int, V: Sequence[float], tau: Sequence[float], centers: Sequence[float | None]
+    batch: _Batch, L: int, corners: Sequence[np.ndarray], centers: Sequence[float | None]
 ) -> list[tuple[float, float]]:
-    """Per box corner (V[i], tau[i]): (fill bound, lambda). Any lambda gives a valid bound, the
+    """Per box corner (its thresholds, steady components then tail): (fill bound, lambda). Any lambda gives a valid bound, the
     best one the tightest: a few steps around a known good `centers[i]` (the parent box's) or
     a coarse grid, then, where the best was on an edge, wider steps beyond it, or, where it
     came from the grid, a finer grid between its neighbours. Each round is one batched DP."""
     cand = [c * (1.0 + LAMBDA_STEPS) if c is not None and c > 0 else batch.lam_grid for c in centers]
-    best = [(-math.inf, 0.0)] * len(V)
-    todo = list(range(len(V)))
+    best = [(-math.inf, 0.0)] * len(corners)
+    todo = list(range(len(corners)))
     for _ in range(2):
         box = np.concatenate([np.full(len(cand[i]), k) for k, i in enumerate(todo)])
-        vals = _lagrangian_rows(batch, L, [V[i] for i in todo], [tau[i] for i in todo], box,
+        vals = _lagrangian_rows(batch, L, np.array([corners[i] for i in todo]), box,
                                 np.concatenate([cand[i] for i in todo]))
         nxt, start = [], 0
         for i in todo:
@@ -101,17 +120,15 @@ def _bounds(
 MAX_ROWS = 12  # rows per DP call: larger arrays fall out of the caches and cost more per row
 
 
-def _lagrangian_rows(batch: _Batch, L: int, V: list, tau: list, box: np.ndarray, lams: np.ndarray) -> np.ndarray:
-    """pos.lagrangian in chunks of at most MAX_ROWS rows."""
+def _lagrangian_rows(batch: _Batch, L: int, corners: np.ndarray, box: np.ndarray, lams: np.ndarray) -> np.ndarray:
+    """pos.lagrangian in chunks of at most MAX_ROWS rows; corners (B, K+1)."""
     out = np.empty(len(box))
     batch.rows += len(box)
     for start in range(0, len(box), MAX_ROWS):
         sl = slice(start, start + MAX_ROWS)
         used = np.unique(box[sl])
         where = np.searchsorted(used, box[sl])
-        out[sl] = pos.lagrangian(
-            batch.tables, L, np.asarray(V)[used], np.asarray(tau)[used], where, lams[sl]
-        )
+        out[sl] = pos.lagrangian(batch.tables, L, corners[used, :-1], corners[used, -1], where, lams[sl])
     return out
 
 
@@ -143,15 +160,19 @@ def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batc
     grid = np.unique(np.quantile(a, np.linspace(0.0, 1.0, 9)))
     t_max = float(max(t.tail_layer.max() * L + t.end_tail.max() for t in tables if t.size))
 
-    def fits(V: np.ndarray) -> np.ndarray:
-        return pos.max_layers(pos.live_tables(tables, V, np.full(len(V), math.inf)), L) >= L
+    K = tables[0].steady_a.shape[0]
+
+    def fits(V: np.ndarray) -> np.ndarray:  # every steady component at V
+        return pos.max_layers(pos.live_tables(tables, np.repeat(V[:, None], K, 1), np.full(len(V), math.inf)), L) >= L
 
     # the smallest V at which some stage list holds L layers (tau unlimited), bracketed by a
-    # batched bisection: 8 probes per round
-    hi = float(max(t.a.max() * L + t.end_time.max() for t in tables if t.size))
+    # batched bisection: 8 probes per round. Under 1F1B the envelope bound v_balance bounds
+    # every plan's steady from below; GPipe's two components have no such bound: 0.
+    hi = float(max((t.steady_a.max(axis=0) * L + t.steady_end.max(axis=(0, 1))).max() for t in tables if t.size))
     lo = min(v_balance, hi)
+    floor = lo if K == 1 else 0.0
     if not bracket:
-        return _Batch(b, m, tables, lo, math.nan, grid, t_max)
+        return _Batch(b, m, tables, floor, math.nan, grid, t_max)
     if not fits(np.array([hi]))[0]:
         return None
     for _ in range(3):
@@ -160,7 +181,7 @@ def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batc
         first = int(np.argmax(ok)) if ok.any() else len(probes)
         lo = float(probes[first - 1]) if first > 0 else lo
         hi = float(probes[first]) if first < len(probes) else hi
-    return _Batch(b, m, tables, lo, hi, grid, t_max)
+    return _Batch(b, m, tables, lo if K == 1 else 0.0, hi, grid, t_max)
 
 
 class _Enumerator:
@@ -171,13 +192,15 @@ class _Enumerator:
         self.deadline = deadline
         self.L = ctx.model.n_layers
 
-    def run(self, V_lo: float, V_hi: float, t_lo: float, t_hi: float, lam: float, max_leaves: int | None = None) -> None:
+    def run(self, lo: np.ndarray, hi: np.ndarray, lam: float, max_leaves: int | None = None) -> None:
+        """Solve every stage list whose bound in the box [lo, hi] (thresholds: steady
+        components, then tail) is below the incumbent (at most `max_leaves` of them)."""
         L = self.L
-        live = pos.live_tables(self.batch.tables, np.array([V_hi]), np.array([t_hi]))
+        live = pos.live_tables(self.batch.tables, hi[None, :-1], hi[-1:])
         self.tables = [t for t, _ in live]
         self.ws = [pos.weights(t, u, np.array([lam])) for t, u in live]
         self.G = pos.front_dp(self.tables, self.ws, L)
-        self.base = (self.batch.m - 1) * V_lo + t_lo + lam * L
+        self.base = float(self.batch.weight @ lo) + lam * L
         self.leaves_left = max_leaves
         self._visit(len(self.tables) - 1, 0, 0.0, ())
 
@@ -234,25 +257,31 @@ class _Enumerator:
 
 @dataclasses.dataclass(order=True)
 class _Box:
-    """A box of (steady, tail) thresholds at one micro-batch size, or (batch None) a
-    micro-batch size whose tables are not built yet, waiting behind its cheap bound."""
+    """A box [lo, hi] of thresholds (steady components, then tail) at one micro-batch size, or
+    (batch None) a micro-batch size b whose tables are not built yet, behind its cheap bound."""
 
     lb: float
     order: int
     batch: _Batch | None = dataclasses.field(compare=False)
-    V_lo: float = dataclasses.field(compare=False)
-    V_hi: float = dataclasses.field(compare=False)
-    t_lo: float = dataclasses.field(compare=False)
-    t_hi: float = dataclasses.field(compare=False)
+    lo: np.ndarray | None = dataclasses.field(compare=False)
+    hi: np.ndarray | None = dataclasses.field(compare=False)
     lam: float | None = dataclasses.field(compare=False)
     b: int = dataclasses.field(compare=False, default=0)
+    v_balance: float = dataclasses.field(compare=False, default=0.0)
+
+
+def _shrink(batch: _Batch, lo: np.ndarray, hi: np.ndarray, gap: float) -> np.ndarray:
+    """Every plan of a box costs at least its bound plus w_d * (x_d - lo_d) for each threshold
+    d (weight w_d): beyond lo_d + gap / w_d none beats the incumbent, so the box ends there."""
+    w = batch.weight
+    return np.where(w > 0, np.minimum(hi, lo + gap / np.where(w > 0, w, 1.0)), hi)
 
 
 def search(
     ctx: _Context, micro_batches: Sequence[int], top: _TopK, stats: SearchStats, deadline: float = math.inf
 ) -> None:
-    """Fill `top` with the K best stage lists of the space (1F1B), exactly; raises _OutOfTime
-    (with stats.lower_bound_s a valid lower bound on the optimum) when the deadline passes."""
+    """Fill `top` with the K best stage lists of the space, exactly; raises _OutOfTime (with
+    stats.lower_bound_s a valid lower bound on the optimum) when the deadline passes."""
     L = ctx.model.n_layers
     solved: set = set()
     counter = itertools.count()
@@ -281,37 +310,35 @@ def search(
         if batch is None:
             continue
         enum = _Enumerator(ctx, batch, top, stats, solved, deadline)
-        (_, lam), = _bounds(batch, L, [batch.v_fits * DIVE_FACTORS[1]], [math.inf], [None])
-        Vs = [batch.v_fits * f for f in DIVE_FACTORS]
-        for V, (lb, lam_f) in zip(Vs, _bounds(batch, L, Vs, [math.inf] * len(Vs), [lam] * len(Vs))):
+        (_, lam), = _bounds(batch, L, [batch.corner(batch.v_fits * DIVE_FACTORS[1], math.inf)], [None])
+        corners = [batch.corner(batch.v_fits * f, math.inf) for f in DIVE_FACTORS]
+        for hi, (lb, lam_f) in zip(corners, _bounds(batch, L, corners, [lam] * len(corners))):
             if math.isfinite(lb):
-                enum.run(batch.v_feasible, V, 0.0, math.inf, lam_f, max_leaves=DIVE_LEAVES)
+                enum.run(batch.corner(batch.v_feasible, 0.0), hi, lam_f, max_leaves=DIVE_LEAVES)
 
-    def push_all(batch: _Batch, boxes: list[tuple[float, float, float, float, float | None]]) -> None:
-        found = _bounds(batch, L, [x[1] for x in boxes], [x[3] for x in boxes], [x[4] for x in boxes])
-        for (V_lo, V_hi, t_lo, t_hi, _), (fill, lam) in zip(boxes, found):
-            lb = (batch.m - 1) * V_lo + t_lo + fill
-            if lb < top.bound:  # shrink to what can still win (see the pop) for the children
-                gap = top.bound - lb
-                if batch.m > 1:
-                    V_hi = min(V_hi, V_lo + gap / (batch.m - 1))
-                t_hi = min(t_hi, t_lo + gap)
-                heapq.heappush(heap, _Box(lb, next(counter), batch, V_lo, V_hi, t_lo, t_hi, lam))
+    def push_all(batch: _Batch, boxes: list[tuple[np.ndarray, np.ndarray, float | None]]) -> None:
+        found = _bounds(batch, L, [hi for _, hi, _ in boxes], [lam for _, _, lam in boxes])
+        for (lo, hi, _), (fill, lam) in zip(boxes, found):
+            lb = float(batch.weight @ lo) + fill
+            if lb < top.bound:
+                heapq.heappush(heap, _Box(lb, next(counter), batch, lo, _shrink(batch, lo, hi, top.bound - lb), lam))
 
     def root(batch: _Batch) -> None:
         live = [t for t in batch.tables if t.size]
-        V_hi = float(max(t.a.max() * L + t.end_time.max() for t in live))
-        V_hi = max(V_hi, max(t.send_bytes.max() for t in live) * max(t.link_s_per_byte.max() for t in live))
-        t_hi = batch.tail_max
-        if top.heap:  # what the incumbent allows: (m-1)*V + tau <= its time
-            if batch.m > 1:
-                V_hi = min(V_hi, top.bound / (batch.m - 1))
-            t_hi = min(t_hi, top.bound - (batch.m - 1) * batch.v_feasible)
-        if V_hi > batch.v_feasible:
-            push_all(batch, [(batch.v_feasible, V_hi, 0.0, t_hi, None)])
+        hi = np.array([
+            max(float(t.steady_a[k].max() * L + t.steady_end[k].max()) for t in live) for k in range(batch.K)
+        ] + [batch.tail_max])
+        # a send counts in every steady component
+        send = max(t.send_bytes.max() for t in live) * max(t.link_s_per_byte.max() for t in live)
+        hi[:-1] = np.maximum(hi[:-1], send)
+        lo = batch.corner(batch.v_feasible, 0.0)
+        if top.heap:  # what the incumbent allows: sum of weight * lo <= its time
+            hi = _shrink(batch, lo, hi, top.bound - float(batch.weight @ lo))
+        if (hi > lo).all():
+            push_all(batch, [(lo, hi, None)])
 
     for lb, v_bal, b in pending:
-        heapq.heappush(heap, _Box(lb, next(counter), None, v_bal, math.nan, 0.0, 0.0, None, b))
+        heapq.heappush(heap, _Box(lb, next(counter), None, None, None, None, b, v_bal))
     while heap:
         generation: dict[int, tuple[_Batch, list]] = {}  # per micro-batch size, boxes to bound
         open_lbs: list[float] = []
@@ -325,32 +352,28 @@ def search(
                 if time.perf_counter() > deadline:
                     raise _OutOfTime
                 if box.batch is None:  # a micro-batch size whose turn has come: its root box
-                    batch = build(box.b, box.V_lo)
+                    batch = build(box.b, box.v_balance)
                     if batch is not None:
                         root(batch)
                     open_lbs.pop()
                     continue
-                batch, V_lo, V_hi, t_lo, t_hi = box.batch, box.V_lo, box.V_hi, box.t_lo, box.t_hi
-                # above V_lo + gap/(m-1) or tau_lo + gap, every plan of the box costs more than
-                # the incumbent ((m-1)*V + tau + fill >= lb + the excess): the box shrinks to that
-                gap = top.bound - box.lb
-                if batch.m > 1:
-                    V_hi = min(V_hi, V_lo + gap / (batch.m - 1))
-                t_hi = min(t_hi, t_lo + gap)
-                wV, wt = (batch.m - 1) * (V_hi - V_lo), t_hi - t_lo
-                if (wV + wt <= RESOLVE_FRACTION * gap and gap <= RESOLVE_GAP * top.bound) or (
-                    wV + wt <= RESOLVE_WIDTH * top.bound
+                batch = box.batch
+                gap = top.bound - box.lb  # the incumbent may have improved since the push
+                lo, hi = box.lo, _shrink(batch, box.lo, box.hi, gap)
+                widths = batch.weight * (hi - lo)
+                if (widths.sum() <= RESOLVE_FRACTION * gap and gap <= RESOLVE_GAP * top.bound) or (
+                    widths.sum() <= RESOLVE_WIDTH * top.bound
                 ):
-                    _Enumerator(ctx, batch, top, stats, solved, deadline).run(V_lo, V_hi, t_lo, t_hi, box.lam)
+                    _Enumerator(ctx, batch, top, stats, solved, deadline).run(lo, hi, box.lam)
                     open_lbs.pop()
                     continue
-                children = generation.setdefault(batch.b, (batch, []))[1]
-                if wV >= wt:
-                    mid = 0.5 * (V_lo + V_hi)
-                    children += [(V_lo, mid, t_lo, t_hi, box.lam), (mid, V_hi, t_lo, t_hi, box.lam)]
-                else:
-                    mid = 0.5 * (t_lo + t_hi)
-                    children += [(V_lo, V_hi, t_lo, mid, box.lam), (V_lo, V_hi, mid, t_hi, box.lam)]
+                d = int(np.argmax(widths))  # halve the costliest side
+                mid = 0.5 * (lo[d] + hi[d])
+                upper_lo, lower_hi = lo.copy(), hi.copy()
+                upper_lo[d], lower_hi[d] = mid, mid
+                generation.setdefault(batch.b, (batch, []))[1].extend(
+                    [(lo, lower_hi, box.lam), (upper_lo, hi, box.lam)]
+                )
             for batch, children in generation.values():
                 push_all(batch, children)
         except _OutOfTime:

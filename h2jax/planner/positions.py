@@ -34,7 +34,6 @@ over shapes and lambdas. The first and last stages (embedding, head) take their 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import numpy as np
@@ -60,6 +59,10 @@ class TypeTable:
     end_time: np.ndarray  # (4, S) per role: end-stage seconds per micro-batch
     end_tail: np.ndarray  # (4, S) per role: tail seconds that do not scale with layers
     memcap: np.ndarray  # (4, S, L) per role and position j = 1..L: most layers in memory
+    # the steady state's components (1F1B: forward + backward; GPipe: forward, backward), each
+    # at most its threshold: per-layer seconds (K, S) and end-stage seconds (K, 4, S)
+    steady_a: np.ndarray
+    steady_end: np.ndarray
 
     @property
     def size(self) -> int:
@@ -67,43 +70,55 @@ class TypeTable:
 
 
 def type_tables(ctx, b: int) -> list[TypeTable]:
-    """Per chip type (pipeline order), its shapes' arrays at micro-batch b (1F1B positions)."""
+    """Per chip type (pipeline order), its shapes' arrays at micro-batch b (positions: 1F1B
+    keeps min(j, m) micro-batches in flight at position j, GPipe all m everywhere)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
-    in_flight = np.minimum(np.arange(1, L + 1), m)
+    gpipe = ctx.schedule == "gpipe"
+    in_flight = np.full(L, m) if gpipe else np.minimum(np.arange(1, L + 1), m)
     out = []
     for shapes in ctx.type_shapes(b, prune_unfit=True):
         S = len(shapes)
         a, tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(6))
         end_time, end_tail = np.zeros((4, S)), np.zeros((4, S))
+        steady_a, steady_end = np.zeros((2, S)), np.zeros((2, 4, S))  # forward, backward
         memcap = np.zeros((4, S, L), dtype=np.int64)
         for i, o in enumerate(shapes):
             chip = ctx.chips[o.chip]
             for role, (first, last) in enumerate(ROLE_FLAGS):
                 t = ctx.terms(b, o, first, last, 1)
                 end_time[role, i] = t.fwd_end + t.bwd_end
+                steady_end[:, role, i] = t.fwd_end, t.bwd_end
                 end_tail[role, i] = t.tail_end
                 room = t.mem.capacity - t.mem.params_end - t.mem.working - t.mem.reserve
                 per_layer = t.mem.layer_static + in_flight * t.mem.layer_activation
                 memcap[role, i] = -1 if room < 0 else np.minimum(np.floor(room / per_layer + _EPS), L)
                 if role == MID:
                     a[i], tl[i] = t.fwd_layer + t.bwd_layer, t.tail_layer
+                    steady_a[:, i] = t.fwd_layer, t.bwd_layer
             nbytes = b * ctx.seq_len * ctx.model.d_model * cm.dtype_bytes(chip.precision.compute_dtype)
             nb[i], rho[i] = nbytes, 1.0 / (o.data * o.tensor * chip.inter_node_gbps * 1e9)
             own[i] = nbytes * rho[i]
             kmax[i] = min(o.stages, L)
-        out.append(TypeTable(list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap))
+        if not gpipe:  # one steady component: forward + backward
+            steady_a, steady_end = a[None], end_time[None]
+        out.append(TypeTable(
+            list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
+            steady_a, steady_end,
+        ))
     return out
 
 
 def stage_caps(table: TypeTable, V: np.ndarray, tau: np.ndarray) -> np.ndarray:
-    """(R, 4, S, L) most layers per row (V[r], tau[r]), role, shape and position under
-    steady <= V and tail <= tau (< 1: the stage cannot be there)."""
-    V, tau = np.asarray(V, dtype=float)[:, None, None], np.asarray(tau, dtype=float)[:, None, None]
-    uv = np.floor((V - table.end_time[None]) / table.a + _EPS)
+    """(R, 4, S, L) most layers per row, role, shape and position with each steady component
+    k at most V[r, k] (V: (R, K)) and the tail at most tau[r] (< 1: the stage cannot be there)."""
+    V = np.asarray(V, dtype=float).reshape(len(tau), -1)
+    tau = np.asarray(tau, dtype=float)[:, None, None]
+    uv = np.floor((V.T[:, :, None, None] - table.steady_end[:, None]) / table.steady_a[:, None, None, :] + _EPS)
     ut = np.floor((tau - table.end_tail[None]) / table.tail_layer + _EPS)
-    u = np.minimum(table.memcap[None], np.minimum(uv, ut)[..., None])
-    sends = _SENDS[None, :, None] & (table.own_send[None, None, :] > V)
-    u[np.broadcast_to(sends, u.shape[:3])] = 0  # a stage that sends cannot outpace its own links
+    u = np.minimum(table.memcap[None], np.minimum(uv.min(axis=0), ut)[..., None])
+    # a send counts in every steady component: it cannot outpace the sender's own links
+    sends = _SENDS[None, :, None] & (table.own_send[None, None, :] > V.min(axis=1)[:, None, None])
+    u[np.broadcast_to(sends, u.shape[:3])] = 0
     return u
 
 
@@ -126,6 +141,7 @@ def live_tables(tables: Sequence[TypeTable], V: np.ndarray, tau: np.ndarray) -> 
         sub = TypeTable(
             [t.options[i] for i in keep], t.a[keep], t.tail_layer[keep], t.own_send[keep], t.send_bytes[keep],
             t.link_s_per_byte[keep], t.k_max[keep], t.end_time[:, keep], t.end_tail[:, keep], t.memcap[:, keep],
+            t.steady_a[:, keep], t.steady_end[:, :, keep],
         )
         out.append((sub, u[:, :, keep]))
     return out

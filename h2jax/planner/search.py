@@ -1,11 +1,12 @@
 """HeteroAuto's search: the fastest plan under the cost model, exactly.
 
-1F1B plans are searched by dual_search.py (boxes of steady/tail thresholds bounded by the
-Lagrangian DP of positions.py); this module holds the space, one stage list's exact layer
-split (`best_split`, which both searches use), the branch and bound that GPipe plans keep,
-the exhaustive reference and `top_k`, the entry point.
+The search itself is dual_search.py (boxes of steady/tail thresholds bounded by the
+Lagrangian DP of positions.py, for 1F1B and GPipe). This module holds the space, one stage
+list's exact layer split (`best_split`), the cheap per-micro-batch bound the search orders
+micro-batch sizes by (the per-shape envelope and staircase), the exhaustive reference and
+`top_k`, the entry point.
 
-The space (the same for every search and `exhaustive=True`):
+The space (the same for the search and `exhaustive=True`):
 
 - chip types in pipeline order by memory, largest first (they hold the most in-flight
   micro-batches under 1F1B), ties by peak FLOP/s then name;
@@ -16,32 +17,16 @@ The space (the same for every search and `exhaustive=True`):
   (chips may stay unused);
 - a layer split: l_i >= 1 layers per stage, sum l_i = n_layers, every stage within memory.
 
-GPipe's branch and bound (docs/planner.md, "The search", has the details):
+The exact layer split of one stage list (`best_split`): the objective is
 
-1. Per micro-batch size and chip type, the options (k, D, T, r) with their per-layer time
-   c = forward + backward of one layer; options whose single layer does not fit even with one
-   micro-batch in flight are dropped (they never fit).
-2. Depth-first over types in *reverse* pipeline order, options fastest first: the chosen types
-   are the end of the pipeline, so their stages' in-flight micro-batches are exact, and the
-   open types (in front) hold at least (chosen stages + 1) each. Lower bound of a node:
-   min over bottlenecks v of (m - 1)*v + fill(v) + the largest one-layer tail, where the
-   chosen stages hold at most min(cap, floor(v/c)) layers each and each open type at most
-   its per-shape table at the open positions (`_shape_tables`); its layers cost at least its
-   staircase of cheapest per-layer times (`_Staircase`). A subtree whose bound cannot beat
-   the incumbent (the K-th best, for top-K) is cut.
-3. At a leaf, the exact layer split (`best_split`): the objective is
-       sum_i lin_i*l_i + C + sum_g w_g * max(floor_g, max_i(a_gi*l_i + o_gi))
-   (1F1B: one max for the steady state with weight m-1, one for the dp-reduce+optimizer
-   tail). For each max in turn it enumerates the candidate values v = a_gi*l + o_gi in
-   ascending order starting at the smallest feasible one (found by bisection: the
-   "bisection on the bottleneck time"), caps l_i <= (v - o_gi)/a_gi, and stops as soon as
-   the accumulated cost plus a lower bound of the rest cannot win; under all caps the
-   remaining linear part is minimised exactly by filling the cheapest stages first.
-4. Incumbents before the proof: a greedy construction (`_greedy_incumbents`), coordinate
-   descent over one type's option at a time (`_local_search`). They only make the bound to
-   beat smaller.
-   Every optimum is some candidate combination and every cut uses a valid bound, so the
-   result is the optimum of the space, which tests check against `exhaustive=True`.
+    sum_i lin_i*l_i + C + sum_g w_g * max(floor_g, max_i(a_gi*l_i + o_gi))
+
+(1F1B: one max for the steady state with weight m-1, one for the dp-reduce + optimizer tail;
+GPipe: forward and backward maxima). For each max in turn it enumerates the candidate values
+v = a_gi*l + o_gi in ascending order from the smallest feasible one (found by bisection: the
+"bisection on the bottleneck time"), caps l_i <= (v - o_gi)/a_gi, and stops as soon as the
+accumulated cost plus a lower bound of the rest cannot win; under all caps the remaining linear
+part is minimised exactly by filling the cheapest stages first.
 """
 
 from __future__ import annotations
@@ -51,7 +36,7 @@ import heapq
 import itertools
 import math
 import time
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -404,33 +389,6 @@ class _Envelope:
         return self.hs[np.searchsorted(self.xs, v, side="right") - 1]
 
 
-class _Unit(NamedTuple):
-    """Stages of equal per-layer cost and memory cap, as the bounds see them."""
-
-    stages: int
-    layer_s: float
-    cap1: int
-
-
-def _units(assigned: Sequence[Option], m: int, schedule: str) -> list[_Unit]:
-    """The chosen options' stages with the memory cap of each one's position.
-
-    The search decides types from the end of the pipeline, so the n chosen stages are its
-    last n: stage i of them holds exactly min(n - i, m) micro-batches under 1F1B (m under
-    GPipe) however many stages come in front.
-    """
-    n = sum(o.stages for o in assigned)
-    out: list[_Unit] = []
-    pos = 0
-    for o in assigned:
-        f = np.full(o.stages, m) if schedule == "gpipe" else np.minimum(n - pos - np.arange(o.stages), m)
-        caps = np.minimum(np.floor(o.room / (o.layer_static + f * o.layer_activation) + 1e-9), o.cap1)
-        values, counts = np.unique(caps.astype(np.int64), return_counts=True)
-        out.extend(_Unit(int(k), o.layer_s, int(cap)) for cap, k in zip(values, counts))
-        pos += o.stages
-    return out
-
-
 def _bottleneck_lb(L: int, assigned: Sequence[Any], rest: _Envelope) -> float:
     """A lower bound on any completion's bottleneck (the max of a stage's forward+backward):
     the smallest v at which the chosen options plus the best of the rest hold L layers."""
@@ -622,73 +580,6 @@ def _leaf_bound(L: int, m: int, schedule: str, chosen: Sequence[Option], e_first
     return (m - 1) * float(values[lo]) * (1 - 1e-9) + fill + tail
 
 
-class _PositionCapacity:
-    """The most layers the whole cluster holds under a bottleneck v with every stage at its
-    true pipeline position (1F1B: the j-th stage from the end holds min(j, m) micro-batches).
-
-    The envelope lets every type take the most lenient positions at once; here the types,
-    in their fixed pipeline order, take consecutive positions: a DP from the front type,
-    D_i(q) = max(D_{i-1}(q), max over shapes s and k <= K_s of
-             sum_{j=1..k} min(floor(v/c_s), cap_s(q + j)) + D_{i-1}(q + k)),
-    with D_i(q) the most layers types 0..i hold when q stages sit behind type i. D(0) >= L is
-    necessary for a plan with bottleneck v (each stage holds at most min(floor(v/c), cap)).
-    """
-
-    def __init__(self, per_type: Sequence[Sequence[Option]], L: int, m: int, gpipe: bool) -> None:
-        self.L, self.types = L, []
-        pos = np.arange(1, L + 1)
-        f = np.full(L, m) if gpipe else np.minimum(pos, m)
-        q = np.arange(L + 1)[:, None]
-        r = np.arange(L + 1)[None, :]
-        for opts in per_type:
-            shapes: dict[tuple, Option] = {}
-            for o in opts:
-                key = (o.data, o.tensor, o.recompute)
-                if key not in shapes or o.stages > shapes[key].stages:
-                    shapes[key] = o
-            if not shapes:
-                continue
-            os_ = list(shapes.values())
-            c = np.array([o.layer_s for o in os_])
-            room = np.array([o.room for o in os_])[:, None]
-            static = np.array([o.layer_static for o in os_])[:, None]
-            act = np.array([o.layer_activation for o in os_])[:, None]
-            limit = np.array([min(o.cap1, L) for o in os_])[:, None]
-            caps = np.maximum(np.minimum(np.floor(room / (static + f[None, :] * act) + 1e-9), limit), 0)
-            kmax = np.array([min(o.stages, L) for o in os_])
-            window = (r > q)[None, :, :] & (r <= q + kmax[:, None, None])  # (shape, q, r)
-            self.types.append((c, caps, window))
-
-    def held(self, v: float) -> float:
-        L = self.L
-        D = np.zeros(L + 1)
-        for c, caps, window in self.types:
-            per = np.minimum(np.floor(v / c + 1e-9)[:, None], caps)
-            cs = np.concatenate([np.zeros((len(c), 1)), np.cumsum(per, axis=1)], axis=1)
-            g = cs + D[None, :]
-            val = np.where(window, g[:, None, :], -np.inf).max(axis=2) - cs
-            D = np.maximum(D, val.max(axis=0))
-        return float(D[0])
-
-    def bottleneck_lb(self, v_lo: float, iters: int = 14) -> float:
-        """A v below every feasible bottleneck (held(v) < L), from a known one `v_lo`."""
-        if self.held(v_lo) >= self.L:
-            return v_lo
-        hi = v_lo * 2
-        while self.held(hi) < self.L:
-            hi *= 2
-            if hi > v_lo * 2**20:
-                return math.inf
-        lo = v_lo
-        for _ in range(iters):
-            mid = (lo + hi) / 2
-            if self.held(mid) >= self.L:
-                hi = mid
-            else:
-                lo = mid
-        return lo
-
-
 def _inv_tail(o: Option, L: int) -> float:
     """sum of 1/(tail per layer) over an option's stages (inf if its tail is free)."""
     return min(o.stages, L) / o.tail1 if o.tail1 > 0 else math.inf
@@ -730,30 +621,10 @@ class _OutOfTime(Exception):
     pass
 
 
-def _search_fast(
-    ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
-) -> list[Candidate]:
-    """Branch and bound. Good incumbents first (on thousands of chips the tree is only cut well
-    with one): a greedy construction per micro-batch and target bottleneck, improved by
-    coordinate descent; the branch and bound then proves (or improves) them."""
-    top = _TopK(k)
-    try:
-        _greedy_incumbents(ctx, micro_batches, top, stats, deadline)
-        _local_search(ctx, micro_batches, top, stats, deadline)
-    except _OutOfTime:
-        stats.proved_optimal = False
-        return top.sorted()
-    _branch_and_bound(ctx, micro_batches, top, stats, deadline)
-    found = top.sorted()
-    if stats.proved_optimal and found:
-        stats.lower_bound_s = found[0].time_s
-    return found
-
-
 def _search_dual(
     ctx: _Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
 ) -> list[Candidate]:
-    """1F1B: boxes of (steady, tail) thresholds with Lagrangian bounds (dual_search.py)."""
+    """Boxes of (steady, tail) thresholds with Lagrangian bounds (dual_search.py)."""
     from h2jax.planner import dual_search  # late: it builds on this module
 
     top = _TopK(k)
@@ -762,9 +633,6 @@ def _search_dual(
     except _OutOfTime:
         stats.proved_optimal = False
     return top.sorted()
-
-
-LOCAL_SEARCH_ROUNDS = 8
 
 
 def _solve(ctx: _Context, b: int, chosen: Sequence[Option], top: "_TopK", stats: SearchStats) -> bool:
@@ -792,266 +660,6 @@ def _solve(ctx: _Context, b: int, chosen: Sequence[Option], top: "_TopK", stats:
     before = top.bound
     top.push(Candidate(found[0], b, tuple(chosen), tuple(int(x) for x in found[1])))
     return top.bound < before or len(top.heap) < top.k
-
-
-def _local_search(
-    ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float
-) -> None:
-    """Improve the incumbent by coordinate descent: change one chip type's option (or drop or add
-    the type), at the incumbent's micro-batch and its neighbours, while that helps. Heuristic:
-    it only makes the incumbent better, the branch and bound still proves the result."""
-    if not top.heap:
-        return
-    mbs = sorted(micro_batches)
-    for _ in range(LOCAL_SEARCH_ROUNDS):
-        best = top.sorted()[0]
-        improved = False
-        i = mbs.index(best.micro_batch)
-        for b in [best.micro_batch] + mbs[max(i - 1, 0):i] + mbs[i + 1:i + 2]:
-            per_type = ctx.type_options(b, prune_unfit=True)
-            by_key = [{(o.stages, o.data, o.tensor, o.recompute): o for o in opts} for opts in per_type]
-            cur: dict[int, Option] = {}
-            for o in best.options:
-                t = ctx.order.index(o.chip)
-                mapped = by_key[t].get((o.stages, o.data, o.tensor, o.recompute))
-                if mapped is not None:
-                    cur[t] = mapped
-            for t in range(len(per_type)):
-                for o in [None, *per_type[t]]:
-                    if time.perf_counter() > deadline:
-                        raise _OutOfTime
-                    trial = dict(cur)
-                    if o is None:
-                        trial.pop(t, None)
-                    else:
-                        trial[t] = o
-                    chosen = [trial[x] for x in sorted(trial)]
-                    if chosen and _solve(ctx, b, chosen, top, stats):
-                        cur, improved = trial, True
-        if not improved:
-            break
-
-
-GREEDY_MICRO_BATCHES = 4  # the most promising micro-batch sizes by root bound
-GREEDY_FACTORS = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0)
-
-
-def _greedy_incumbents(
-    ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float
-) -> None:
-    """Heuristic stage lists, each solved exactly by `best_split` and offered as an incumbent.
-
-    For a micro-batch b and a target bottleneck V (a few multiples of the smallest V at which
-    the cluster can hold the model), types are filled from the end of the pipeline: each takes
-    the shape and stage count that holds the layers still missing at the least fill cost (or,
-    if none can, the most layers), with every stage's in-flight micro-batches known exactly.
-    Only the quality of the incumbent depends on this; exactness does not.
-    """
-    L = ctx.model.n_layers
-    gpipe = ctx.schedule == "gpipe"
-    ranked = []
-    for b in micro_batches:
-        m = ctx.global_batch // b
-        per_type = ctx.type_shapes(b, prune_unfit=True)
-        rest = _Envelope.zero()
-        for opts in per_type:
-            rest = rest + (_Envelope.of_options(opts, L, m) if gpipe else _Envelope.of_options(opts, L, 1, m))
-        cheapest = min((o.layer_s for opts in per_type for o in opts), default=math.inf)
-        lb = _lower_bound(m, L, [], rest, cheapest, False)
-        if lb < math.inf:
-            ranked.append((lb, b, per_type, _bottleneck_lb(L, [], rest)))
-    ranked.sort(key=lambda r: r[:2])
-    for lb, b, per_type, v_lo in ranked[:GREEDY_MICRO_BATCHES]:
-        if lb >= top.bound:
-            continue
-        m = ctx.global_batch // b
-        shapes: list[dict[tuple, Option]] = []
-        for opts in per_type:
-            best: dict[tuple, Option] = {}
-            for o in opts:
-                key = (o.data, o.tensor, o.recompute)
-                if key not in best or o.stages > best[key].stages:
-                    best[key] = o
-            shapes.append(best)
-        tried: set = set()
-        for factor in GREEDY_FACTORS:
-            if time.perf_counter() > deadline:
-                raise _OutOfTime
-            v = v_lo * factor
-            chosen: list[Option] = []
-            q = held = 0
-            for t in reversed(range(len(per_type))):
-                need = L - held
-                pick = None  # (reaches need, -fill or held, -chips) -> option
-                for key, o in shapes[t].items():
-                    u = min(int(math.floor(v / o.layer_s + 1e-9)), L)
-                    if u < 1:
-                        continue
-                    kmax = min(o.stages, L - q)
-                    if kmax < 1:
-                        continue
-                    f = np.full(kmax, m) if gpipe else np.minimum(np.arange(q + 1, q + kmax + 1), m)
-                    caps = np.floor(o.room / (o.layer_static + f * o.layer_activation) + 1e-9)
-                    per = np.minimum(np.minimum(caps, o.cap1), u)
-                    good = int(np.argmin(per >= 1)) if (per < 1).any() else kmax
-                    if good < 1:
-                        continue
-                    cum = np.cumsum(per[:good])
-                    if cum[-1] >= need:
-                        kk = int(np.searchsorted(cum, need)) + 1
-                        score = (1, -(o.layer_s * need + kk * o.layer_s), -kk * o.data * o.tensor)
-                        h = need
-                    else:
-                        kk = good
-                        h = int(cum[-1])
-                        score = (0, h, -kk * o.data * o.tensor)
-                    if pick is None or score > pick[0]:
-                        pick = (score, dataclasses.replace(o, stages=kk), h)
-                if pick is None:
-                    continue
-                chosen.insert(0, pick[1])
-                q += pick[1].stages
-                held += pick[2]
-                if held >= L:
-                    break
-            if held < L:
-                continue
-            key = tuple(chosen)
-            if key in tried:
-                continue
-            tried.add(key)
-            leaf = _leaf(ctx, b, chosen)
-            if leaf is None:
-                continue
-            stats.configs_visited += 1
-            found = best_split(leaf, L, top.bound, stats)
-            if found is not None:
-                top.push(Candidate(found[0], b, tuple(chosen), tuple(int(x) for x in found[1])))
-
-
-def _branch_and_bound(
-    ctx: _Context, micro_batches: Sequence[int], top: "_TopK", stats: SearchStats, deadline: float
-) -> None:
-    """Depth-first over chip types in *reverse* pipeline order: the chosen types form the end of
-    the pipeline, so each chosen stage's in-flight micro-batches (1F1B: stages from it to the
-    end) are known exactly, and every type not chosen yet sits before all of them and holds at
-    least (chosen stages + 1) micro-batches, which caps its layers in the bound."""
-    L = ctx.model.n_layers
-    gpipe = ctx.schedule == "gpipe"
-    roots = []
-    for b in micro_batches:
-        m = ctx.global_batch // b
-        per_type = ctx.type_shapes(b, prune_unfit=True)  # the bounds see a shape by its largest k
-        stats.space_size += math.prod(sum(o.stages for o in shapes) + 1 for shapes in per_type) - 1
-        n = len(per_type)
-        best_speed = [max((o.speed for o in opts), default=0.0) for opts in per_type]
-        cheapest = [min((o.layer_s for o in opts), default=math.inf) for opts in per_type]
-        # prefix[t]: (speed, cheapest per-layer cost, most sum of 1/tail-per-layer) of types
-        # 0..t-1, the ones before type t
-        inv_tail = [max((_inv_tail(o, L) for o in opts), default=0.0) for opts in per_type]
-        prefix = [
-            (sum(best_speed[:t]), min(cheapest[:t], default=math.inf), sum(inv_tail[:t])) for t in range(n + 1)
-        ]
-        envs: dict[tuple[int, int], _Envelope] = {}
-        tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-
-        def table(i: int, f: int, per_type=per_type, tables=tables, m=m) -> tuple[np.ndarray, np.ndarray]:
-            if (i, f) not in tables:
-                tables[(i, f)] = _shape_tables(per_type[i], L, f, None if gpipe else m)
-            return tables[(i, f)]
-
-        def rest_env(t: int, f: int, envs=envs, table=table) -> _Envelope:
-            """The most layers types 0..t-1 hold under a bottleneck, each stage >= f in flight."""
-            key = (t, f)
-            if key not in envs:
-                envs[key] = _Envelope.zero() if t == 0 else rest_env(t - 1, f) + _Envelope.of_tables(*table(t - 1, f))
-            return envs[key]
-
-        stair_cache: dict[tuple[int, int], _Staircase] = {}
-
-        def rest_stairs(t: int, f: int, cache=stair_cache, table=table) -> list[_Staircase]:
-            """Staircases of types 0..t-1, each stage holding >= f micro-batches."""
-            out = []
-            for i in range(t):
-                if (i, f) not in cache:
-                    cache[(i, f)] = _Staircase(*table(i, f))
-                out.append(cache[(i, f)])
-            return out
-
-        f0 = m if gpipe else 1
-        tail0 = _tail_lb([], L, prefix[n][2])
-        root = tail0 + _lower_bound(m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0))
-        v_floor = 0.0
-        if root < top.bound and n > 1:
-            # every plan at b: the bottleneck with true positions (one DP per probe, so only here)
-            v_floor = _PositionCapacity(per_type, L, m, gpipe).bottleneck_lb(_bottleneck_lb(L, [], rest_env(n, f0)))
-            root = tail0 + _lower_bound(
-                m, L, [], rest_env(n, f0), prefix[n][1], False, math.inf, rest_stairs(n, f0), v_floor
-            )
-        roots.append((root, b, prefix, rest_env, rest_stairs, v_floor))
-    roots.sort(key=lambda r: r[:2])  # most promising micro-batch first: a good incumbent early
-    stats.lower_bound_s = min((r[0] for r in roots), default=math.inf)
-
-    for root_lb, b, prefix, rest_env, rest_stairs, v_floor in roots:
-        if root_lb >= top.bound:
-            continue  # not even its options are built
-        m = ctx.global_batch // b
-        per_type = ctx.type_options(b, prune_unfit=True)
-
-        def ends(chosen: list[Option]) -> tuple[float, float]:
-            p = sum(o.stages for o in chosen)
-            first = ctx.terms(b, chosen[0], True, p == 1, 1)
-            last = ctx.terms(b, chosen[-1], p == 1, True, 1)
-            if p == 1:
-                return first.fwd_end + first.bwd_end, 0.0
-            return first.fwd_end + first.bwd_end, last.fwd_end + last.bwd_end
-
-        def bound_after(t: int, chosen: list[Option], n_stages: int) -> float:
-            """Lower bound once types t.. are decided (chosen: pipeline order), types < t open."""
-            units = _units(chosen, m, ctx.schedule)
-            f = m if gpipe else min(n_stages + 1, m)
-            tail = _tail_lb(chosen, L, prefix[t][2])
-            return tail + _lower_bound(
-                m, L, units, rest_env(t, f), prefix[t][1], t == 0, top.bound - tail, rest_stairs(t, f), v_floor
-            )
-
-        def visit(t: int, chosen: list[Option], n_stages: int) -> None:
-            # t: the next type to decide (types t+1.. are decided; `chosen` in pipeline order)
-            if time.perf_counter() > deadline:
-                raise _OutOfTime
-            if t < 0:
-                if not chosen:
-                    return
-                first, last = ends(chosen)
-                if _leaf_bound(L, m, ctx.schedule, chosen, first, last) >= top.bound:
-                    return
-                stats.configs_visited += 1
-                leaf = _leaf(ctx, b, chosen)
-                if leaf is None:
-                    return
-                found = best_split(leaf, L, top.bound, stats)
-                if found is not None:
-                    top.push(Candidate(found[0], b, tuple(chosen), tuple(int(x) for x in found[1])))
-                return
-            speed = sum(o.speed for o in chosen) + prefix[t][0]
-            fill = sum(o.stages * o.layer_s for o in chosen)
-            for o in per_type[t]:
-                if n_stages + o.stages > L:
-                    continue
-                if (m - 1) * L / (speed + o.speed) + fill >= top.bound:
-                    break  # options come fastest first: no later one can pass either
-                chosen.insert(0, o)
-                if bound_after(t, chosen, n_stages + o.stages) < top.bound:
-                    visit(t - 1, chosen, n_stages + o.stages)
-                chosen.pop(0)
-            if bound_after(t, chosen, n_stages) < top.bound:
-                visit(t - 1, chosen, n_stages)  # this type unused
-
-        try:
-            visit(len(per_type) - 1, [], 0)
-        except _OutOfTime:
-            stats.proved_optimal = False
-            break
 
 
 _COMPOSITIONS: dict[tuple[int, int], np.ndarray] = {}
@@ -1192,10 +800,7 @@ def top_k(
             stats.lower_bound_s = found[0].time_s
     else:
         deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
-        if schedule == "1f1b":
-            found = _search_dual(ctx, mbs, k, stats, deadline)
-        else:
-            found = _search_fast(ctx, mbs, k, stats, deadline)
+        found = _search_dual(ctx, mbs, k, stats, deadline)
     stats.search_time_s = time.perf_counter() - t0
     if not found and not stats.proved_optimal:
         raise PlannerError(
