@@ -218,7 +218,11 @@ def weights(
 ) -> Weights:
     """w per row r from the caps u (B, 4, S, L) of its box rows[r] (default: row r) and lams[r];
     capacity rows (`capacity[r]`) take w = -u instead: the DP then gives minus the most layers
-    any stage list holds."""
+    any stage list holds.
+
+    w = c + (a - lambda) * (u if lambda > a else 1) = base + coef * (u - 1) with per-row base
+    and coef, so the prefix sums over positions are base * (#feasible) + coef * sum(u - 1), the
+    two sums taken once per box."""
     B, _, S, L = u.shape
     rows = np.arange(B) if rows is None else rows
     R = len(rows)
@@ -228,28 +232,29 @@ def weights(
     const[FIRST] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
     slope = table.a[None, :] - np.asarray(lams, dtype=float)[:, None]  # (R, S)
     slope[cap_rows] = -1.0
+    coef = np.where(slope < 0, slope, 0.0)  # lambda above the per-layer time: every layer allowed
     cr = cap_rows[:, None]
-    down = (slope < 0)[:, :, None]  # lambda above the per-layer time: take every layer allowed
-    slope3 = slope[:, :, None]
 
-    def w(role: int, cap: np.ndarray) -> np.ndarray:  # cap: (R, S, n)
-        c = np.where(cr, 0.0, const[role][None, :])[:, :, None]
-        val = c + slope3 * np.where(down, cap, 1.0)
-        val[cap < 1] = np.inf
-        return val
+    def base(role: int) -> np.ndarray:  # (R, S)
+        return np.where(cr, 0.0, const[role][None, :]) + slope
 
-    mid_cap = u[:, MID][rows]
-    ok = mid_cap >= 1
-    Wm = np.zeros((R, S, L + 1))
-    mid = w(MID, mid_cap)
-    mid[~ok] = 0.0
-    np.cumsum(mid, axis=-1, out=Wm[..., 1:])
+    ok = u[:, MID] >= 1  # (B, S, L)
+    n_ok = np.zeros((B, S, L + 1))
+    np.cumsum(ok, axis=-1, out=n_ok[..., 1:])
+    extra = np.zeros((B, S, L + 1))
+    np.cumsum(np.where(ok, u[:, MID] - 1.0, 0.0), axis=-1, out=extra[..., 1:])
+    Wm = base(MID)[:, :, None] * n_ok[rows] + coef[:, :, None] * extra[rows]
+    uf = u[:, FIRST]
     first = np.full((R, S, L + 1), np.inf)
-    first[..., 1:] = w(FIRST, u[:, FIRST][rows])
-    mid_ok = np.ones((R, S, L + 1), dtype=bool)
+    first[..., 1:] = np.where((uf >= 1)[rows], base(FIRST)[:, :, None] + coef[:, :, None] * (uf - 1.0)[rows], np.inf)
+    mid_ok = np.ones((B, S, L + 1), dtype=bool)
     mid_ok[..., 2:] = np.logical_and.accumulate(ok[..., 1:], axis=-1)
     end = u[:, :, :, 0][rows]  # (R, 4, S): position 1
-    return Weights(Wm, first, w(LAST, end[:, LAST, :, None])[..., 0], w(ONLY, end[:, ONLY, :, None])[..., 0], mid_ok)
+
+    def at_one(role: int) -> np.ndarray:
+        return np.where(end[:, role] >= 1, base(role) + coef * (end[:, role] - 1.0), np.inf)
+
+    return Weights(Wm, first, at_one(LAST), at_one(ONLY), mid_ok[rows])
 
 
 def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) -> np.ndarray:
