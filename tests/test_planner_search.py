@@ -113,3 +113,17 @@ def test_time_limit_returns_the_best_found_with_a_valid_lower_bound():
     else:
         assert 0.0 <= stats.lower_bound_s <= best.time_s
     assert best.time_s < 17.0  # the incumbents (dives of the enumeration) use the cluster well
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_models_of_one_to_three_layers(layers, schedule):
+    """The position DP's edges: a one-stage pipeline (first and last at once), no middle stage."""
+    model = {"vocab_size": 256, "d_model": 64, "n_layers": layers, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128}
+    a = ChipType("a", "cpu", 0.016, 1.0, 2, 50.0, 2.0, "t")
+    b = ChipType("b", "cpu", 0.05, 0.3, 4, 5.0, 0.5, "t")
+    cluster = Cluster((ChipGroup(a, 4), ChipGroup(b, 6)))
+    (fast,), stats = top_k(cluster, model, 32, 4, schedule=schedule)
+    (full,), _ = top_k(cluster, model, 32, 4, schedule=schedule, exhaustive=True)
+    assert fast.time_s == pytest.approx(full.time_s, rel=1e-9)
+    assert stats.proved_optimal

@@ -271,7 +271,7 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
         M = _window_min(H, table.k_max)  # (R, S, L): q' = 1..L, k <= k_max stages
         block = np.where(w.mid_ok[..., 1:], w.Wm[..., 1:] + M, np.inf)
         front = np.where(w.mid_ok[..., 1:L], w.Wm[..., 1:L] + w.first[..., 2:] + M[..., 1:], np.inf)
-        ans = np.minimum(ans, np.minimum(front.min(axis=(1, 2)), w.only1.min(axis=1)))
+        ans = np.minimum(ans, np.minimum(front.min(axis=(1, 2), initial=np.inf), w.only1.min(axis=1)))
         F = F.copy()
         F[:, 1:] = np.minimum(F[:, 1:], block.min(axis=1))
     return ans
