@@ -184,7 +184,7 @@ def test_a_nonzero_exit_in_one_rank_ends_the_job():
 def test_startup_barrier_names_the_missing_rank():
     proc, elapsed = mpiexec(2, "fail.py", "late", "1", timeout=60, env={"H2JAX_MPI_STARTUP_TIMEOUT": "2"})
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and elapsed < 10
+    assert proc.returncode != 0 and elapsed < 10, f"exit {proc.returncode} after {elapsed:.1f} s:\n{out}"
     assert out.count("start-up barrier: rank 1 (stage 1) did not arrive within 2 s") == 1, out
 
 
