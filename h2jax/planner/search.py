@@ -813,10 +813,13 @@ def top_k(
 
 
 def explain_unfit(ctx: _Context, micro_batches: Sequence[int]) -> str:
-    """Why nothing fits: per chip type, the most layers a stage holds in the most lenient shape."""
+    """Why nothing fits: per chip type, the most layers a stage holds in the most lenient shape
+    the search may use (largest tensor size, most lenient recompute policy allowed), as a middle
+    stage and as the first (embedding) and last (head) stage."""
     model, L, b = ctx.model, ctx.model.n_layers, min(micro_batches)
     name = preset_name(model) or "the model"
-    lines, total = [], 0
+    policy = next(r for r in ("full", "selective", "none") if r in ctx.recompute)
+    lines, total, end_loss = [], 0, [math.inf, math.inf]
     # 1F1B: the last stage holds one micro-batch; GPipe: every stage holds all m of them
     gpipe = ctx.schedule == "gpipe"
     in_flight = ctx.global_batch // b if gpipe else 1
@@ -824,22 +827,31 @@ def explain_unfit(ctx: _Context, micro_batches: Sequence[int]) -> str:
         chip, count = ctx.chips[chip_name], ctx.counts[chip_name]
         t = max(x for x in tensor_sizes(model, chip) if x <= count)
         d = max(x for x in divisors(b) if x * t <= count)
-        probe = Option(chip_name, 1, d, t, "full", 0.0)
+        probe = Option(chip_name, 1, d, t, policy, 0.0)
         mem = ctx.terms(b, probe, False, False, in_flight).mem
         fits = max(mem.max_layers(), 0)
+        first, last = (max(ctx.terms(b, probe, f, la, in_flight).mem.max_layers(), 0) for f, la in ((True, False), (False, True)))
         per_layer = (mem.layer_static + mem.in_flight * mem.layer_activation) / GIB
         room = (mem.capacity - mem.reserve - mem.working) / GIB
         stages = count // (d * t)
         total += fits * min(stages, L)
+        if stages:  # the pipeline's first and last stages hold less than a middle one
+            end_loss = [min(end_loss[0], fits - first), min(end_loss[1], fits - last)]
         lines.append(
-            f"{chip_name}: a stage with recompute=full, tensor={t}, data={d}, micro-batch {b} and "
-            f"{in_flight} micro-batch(es) in flight holds at most {fits} layer(s) ({per_layer:.2f} GiB per layer, "
+            f"{chip_name}: a stage with recompute={policy}, tensor={t}, data={d}, micro-batch {b} and "
+            f"{in_flight} micro-batch(es) in flight holds at most {fits} layer(s) as a middle stage, "
+            f"{first} as the first (embedding), {last} as the last (head) ({per_layer:.2f} GiB per layer, "
             f"{room:.2f} GiB usable per chip); {stages} such stage(s) fit in {count} chips"
         )
+    if math.isfinite(end_loss[0]):
+        total = max(total - end_loss[0] - end_loss[1], 0)
     return (
         f"no plan fits: {name} ({L} layers, seq_len {ctx.seq_len}) does not fit on this cluster even "
-        f"with full recomputation and the largest tensor size; the cluster holds at most about {total} "
-        f"of {L} layers. Per chip type: " + "; ".join(lines)
+        f"with recompute={policy} (the most lenient policy allowed) and the largest tensor size; the "
+        f"cluster's stages hold at most about {total} of the {L} layers"
+        + (" (an upper bound: under 1F1B a stage further from the end keeps more micro-batches in flight)"
+           if total >= L and not gpipe else "")
+        + ". Per chip type: " + "; ".join(lines)
         + ". Add chips, shorten --seq-len, or choose a smaller model"
         + (" (or --schedule 1f1b: GPipe keeps every micro-batch's activations until its backward)." if gpipe else ".")
     )
