@@ -77,6 +77,8 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
     in_flight = np.full(L, m) if gpipe else np.minimum(np.arange(1, L + 1), m)
     out = []
     for shapes in ctx.type_shapes(b, prune_unfit=True):
+        # by most stages: shapes of one k_max are then one slice for the DP's window minima
+        shapes = sorted(shapes, key=lambda o: min(o.stages, L))
         S = len(shapes)
         a, tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(6))
         end_time, end_tail = np.zeros((4, S)), np.zeros((4, S))
@@ -192,8 +194,10 @@ def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
         nxt = np.full_like(P, np.inf)
         nxt[..., : n - span] = np.minimum(P[..., : n - span], P[..., span:])
         levels.append(nxt)
+    ordered = bool((np.diff(k) >= 0).all())  # type_tables sorts shapes by k_max: slices, not copies
     for kk in short:
-        sel = np.nonzero(k == kk)[0]
+        hit = np.flatnonzero(k == kk)
+        sel = slice(int(hit[0]), int(hit[-1]) + 1) if ordered else hit
         lev = kk.bit_length() - 1
         span = 1 << lev
         P = levels[lev][..., sel, :]
