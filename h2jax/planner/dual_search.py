@@ -63,6 +63,7 @@ class _Batch:
     v_fits: float  # some stage list holds the model with every steady component under it
     lam_grid: np.ndarray
     tail_max: float  # no stage's tail exceeds this
+    steady_max: np.ndarray  # (K,) per steady component: every shape holds all L layers under it
     rows: int = 0  # bound rows evaluated, for SearchStats
 
     @property
@@ -82,8 +83,9 @@ class _Batch:
 def _bounds(
     batch: _Batch, L: int, corners: Sequence[np.ndarray], centers: Sequence[float | None]
 ) -> list[tuple[float, float]]:
-    """Per box corner (its thresholds, steady components then tail): (fill bound, lambda). Any lambda gives a valid bound, the
-    best one the tightest: a few steps around a known good `centers[i]` (the parent box's) or
+    """Per box corner (its thresholds, steady components then tail): (fill bound, lambda).
+    Any lambda gives a valid bound, the best one the tightest: a few steps around a known good
+    `centers[i]` (the parent box's) or
     a coarse grid, then, where the best was on an edge, wider steps beyond it, or, where it
     came from the grid, a finer grid between its neighbours. Each round is one batched DP."""
     cand = [c * (1.0 + LAMBDA_STEPS) if c is not None and c > 0 else batch.lam_grid for c in centers]
@@ -161,6 +163,9 @@ def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batc
     t_max = float(max(t.tail_layer.max() * L + t.end_tail.max() for t in tables if t.size))
 
     K = tables[0].steady_a.shape[0]
+    steady_max = np.array([
+        max(float(t.steady_a[k].max() * L + t.steady_end[k].max()) for t in tables if t.size) for k in range(K)
+    ])
 
     def fits(V: np.ndarray) -> np.ndarray:  # every steady component at V
         return pos.max_layers(pos.live_tables(tables, np.repeat(V[:, None], K, 1), np.full(len(V), math.inf)), L) >= L
@@ -168,11 +173,11 @@ def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batc
     # the smallest V at which some stage list holds L layers (tau unlimited), bracketed by a
     # batched bisection: 8 probes per round. Under 1F1B the envelope bound v_balance bounds
     # every plan's steady from below; GPipe's two components have no such bound: 0.
-    hi = float(max((t.steady_a.max(axis=0) * L + t.steady_end.max(axis=(0, 1))).max() for t in tables if t.size))
+    hi = float(steady_max.max())
     lo = min(v_balance, hi)
     floor = lo if K == 1 else 0.0
     if not bracket:
-        return _Batch(b, m, tables, floor, math.nan, grid, t_max)
+        return _Batch(b, m, tables, floor, math.nan, grid, t_max, steady_max)
     if not fits(np.array([hi]))[0]:
         return None
     for _ in range(3):
@@ -181,7 +186,7 @@ def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batc
         first = int(np.argmax(ok)) if ok.any() else len(probes)
         lo = float(probes[first - 1]) if first > 0 else lo
         hi = float(probes[first]) if first < len(probes) else hi
-    return _Batch(b, m, tables, lo if K == 1 else 0.0, hi, grid, t_max)
+    return _Batch(b, m, tables, lo if K == 1 else 0.0, hi, grid, t_max, steady_max)
 
 
 class _Enumerator:
@@ -325,12 +330,9 @@ def search(
 
     def root(batch: _Batch) -> None:
         live = [t for t in batch.tables if t.size]
-        hi = np.array([
-            max(float(t.steady_a[k].max() * L + t.steady_end[k].max()) for t in live) for k in range(batch.K)
-        ] + [batch.tail_max])
         # a send counts in every steady component
         send = max(t.send_bytes.max() for t in live) * max(t.link_s_per_byte.max() for t in live)
-        hi[:-1] = np.maximum(hi[:-1], send)
+        hi = np.append(np.maximum(batch.steady_max, send), batch.tail_max)
         lo = batch.corner(batch.v_feasible, 0.0)
         if top.heap:  # what the incumbent allows: sum of weight * lo <= its time
             hi = _shrink(batch, lo, hi, top.bound - float(batch.weight @ lo))
