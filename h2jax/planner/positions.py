@@ -149,32 +149,6 @@ def live_tables(tables: Sequence[TypeTable], V: np.ndarray, tau: np.ndarray) -> 
     return out
 
 
-def _sparse_table(h: np.ndarray) -> np.ndarray:
-    """(..., LEV, n): level v holds min of h over [i, i + 2**v), inf past the end."""
-    n = h.shape[-1]
-    levels = [h]
-    span = 1
-    while span * 2 <= n:
-        prev = levels[-1]
-        nxt = np.full_like(prev, np.inf)
-        nxt[..., : n - span] = np.minimum(prev[..., : n - span], prev[..., span:])
-        levels.append(nxt)
-        span *= 2
-    return np.stack(levels, axis=-2)
-
-
-def _range_min(table: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """min over [lo, hi] (inclusive, lo <= hi) of the sparse table's row, per (..., S, i):
-    `table` is (..., S, LEV, n), lo and hi are (S, N) index arrays."""
-    n = table.shape[-1]
-    lev = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
-    flat = table.reshape(*table.shape[:-2], -1)
-    shape = flat.shape[:-1] + lo.shape[-1:]
-    g1 = np.take_along_axis(flat, np.broadcast_to(lev * n + lo, shape), axis=-1)
-    g2 = np.take_along_axis(flat, np.broadcast_to(lev * n + hi - (1 << lev) + 1, shape), axis=-1)
-    return np.minimum(g1, g2)
-
-
 def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
     """M[..., s, i] = min of H[..., s, q] over q in [max(0, i + 1 - k_max[s]), i], i = 0..n-1
     (the windows of the DP: q' = i + 1 stages, the block's k <= k_max[s] stages in front of q).
@@ -285,7 +259,6 @@ def front_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int) -> list
     """G[t][q] (row 0): the least cost of a nonempty front part made of types < t whose
     stages sit at positions q+1, q+2, ... (q >= 1 stages behind it), its first stage in front."""
     G = [np.full(L + 2, np.inf)]
-    j = np.arange(1, L + 1)[None, :]  # q = 1..L as the block's start offset
     for table, w in zip(tables, ws):
         g = G[-1]
         if not table.size:
@@ -297,10 +270,12 @@ def front_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int) -> list
         Y = np.full_like(X, np.inf)
         Y[:, 1:] = np.where(mid_ok[:, :L], Wm[:, :L] + first[:, 1:], np.inf)
         Z = np.minimum(X, Y)
-        lo = np.minimum(j + 1, L)  # positions q+1 .. q+k_max
-        hi = np.minimum(j + table.k_max[:, None], L)
-        best = _range_min(_sparse_table(Z), np.broadcast_to(lo, hi.shape), hi)  # (S, L): q = 1..L
-        best = np.where(j + 1 <= L, best, np.inf)
+        # the block ends at a position in q+1 .. q+k_max: a window ending at index L-q-1 of Z
+        # reversed (positions L .. 0)
+        ahead = _window_min(Z[:, ::-1], table.k_max)  # (S, L+1)
+        best = np.full((table.size, L), np.inf)  # q = 1..L (none fits in front of q = L)
+        if L > 1:
+            best[:, : L - 1] = ahead[:, L - 2:: -1]
         new = g.copy()
         new[1: L + 1] = np.minimum(g[1: L + 1], (best - Wm[:, 1:]).min(axis=0))
         G.append(new)
