@@ -35,7 +35,7 @@ import numpy as np
 
 from h2jax.planner import positions as pos
 from h2jax.planner.search import (
-    SearchStats, _bottleneck_lb, _Context, _Envelope, _lower_bound, _OutOfTime, _shape_tables, _solve, _Staircase,
+    SearchStats, _Context, _Envelope, _envelope_bottleneck, _envelope_bound, _OutOfTime, _shape_tables, _solve, _Staircase,
     _TopK,
 )
 
@@ -148,7 +148,7 @@ def _root_bound(ctx: _Context, b: int) -> tuple[float, float]:
         rest = rest + _Envelope.of_options(opts, L, 1, m)
     cheapest = min(o.layer_s for opts in shapes for o in opts)
     stairs = [_Staircase(*_shape_tables(opts, L, 1, m)) for opts in shapes]
-    return _lower_bound(m, L, [], rest, cheapest, False, math.inf, stairs), _bottleneck_lb(L, [], rest)
+    return _envelope_bound(m, L, rest, cheapest, stairs), _envelope_bottleneck(L, rest)
 
 
 def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batch | None:

@@ -389,38 +389,12 @@ class _Envelope:
         return self.hs[np.searchsorted(self.xs, v, side="right") - 1]
 
 
-def _bottleneck_lb(L: int, assigned: Sequence[Any], rest: _Envelope) -> float:
-    """A lower bound on any completion's bottleneck (the max of a stage's forward+backward):
-    the smallest v at which the chosen options plus the best of the rest hold L layers."""
-
-    def held(v: float) -> int:
-        return sum(o.stages * min(o.cap1, math.floor(v / o.layer_s + 1e-9)) for o in assigned)
-
-    if sum(o.stages * o.cap1 for o in assigned) + rest.hs[-1] < L:
+def _envelope_bottleneck(L: int, rest: _Envelope) -> float:
+    """A lower bound on every plan's bottleneck (the max of a stage's forward + backward): the
+    smallest v at which the envelope holds L layers (inf: it never does)."""
+    if rest.hs[-1] < L:
         return math.inf
-    xs = rest.xs
-    lo, hi = 0, len(xs)  # first breakpoint of `rest` at which the total reaches L (len: none)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if held(xs[mid]) + rest.hs[mid] >= L:
-            hi = mid
-        else:
-            lo = mid + 1
-    if lo == 0:
-        return float(xs[0]) * (1 - 1e-9) if held(xs[0]) + rest.hs[0] >= L else math.inf
-    v, need = float(xs[lo - 1]), L - int(rest.hs[lo - 1])
-    # Between two breakpoints of `rest` only the chosen options' steps change the total.
-    while held(v) < need:
-        step = min(
-            ((math.floor(v / o.layer_s + 1e-9) + 1) * o.layer_s for o in assigned
-             if math.floor(v / o.layer_s + 1e-9) < o.cap1),
-            default=math.inf,
-        )
-        if lo < len(xs) and step >= xs[lo]:
-            v = float(xs[lo])
-            break
-        v = step
-    return v * (1 - 1e-9)  # stay below the split's own rounding
+    return float(rest.xs[int(np.searchsorted(rest.hs, L))]) * (1 - 1e-9)  # below the split's rounding
 
 
 def _shape_tables(options: Sequence[Option], L: int, in_flight: int, m: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -479,71 +453,38 @@ class _Staircase:
         return self.c[keep], inc[keep]
 
 
-def _lower_bound(
-    m: int, L: int, assigned: Sequence[Any], rest: _Envelope, rest_c: float, complete: bool,
-    bound: float = math.inf, stairs: Sequence[_Staircase] | None = None, v_floor: float = 0.0,
-) -> float:
-    """Iteration time no completion of `assigned` can beat.
+def _envelope_bound(m: int, L: int, rest: _Envelope, rest_c: float, stairs: Sequence[_Staircase]) -> float:
+    """A lower bound on every plan's iteration time from the types' envelope and staircases:
 
-    min over bottlenecks V >= V_lb of (m-1)*V + fill(V), where fill(V) is the cheapest way to
-    place the L layers: each chosen option holds between k (one layer per stage) and
-    k*min(cap1, floor(V/c)) layers at c each, the types not chosen yet hold at most rest(V)
-    at their cheapest per-layer cost `rest_c`, or, given their staircases, at most their steps
-    at the steps' costs. Between two bottlenecks at which the chosen options' or the rest's
-    capacity grows, the fill is taken at the interval's right end (it only falls with V).
-    Stops early once it cannot go below `bound`.
+    min over bottlenecks V >= the envelope's of (m-1)*V + fill(V), fill(V) the L cheapest
+    staircase steps under V (each type's j-th layer costs at least the cheapest shape that holds
+    j layers). Between two breakpoints of the envelope the fill is taken at the interval's right
+    end (it only falls with V); the scan stops once (m-1)*V + L*rest_c (every layer at the
+    cheapest per-layer cost) cannot beat the best so far.
     """
-    v = max(_bottleneck_lb(L, assigned, rest), v_floor)  # v_floor: a bound for every plan
+    v = _envelope_bottleneck(L, rest)
     if v == math.inf:
         return v
-    base = sum(o.stages * o.layer_s for o in assigned)  # one layer per stage
-    floor_fill = base + (L - sum(o.stages for o in assigned)) * min(
-        [o.layer_s for o in assigned] + ([] if complete else [rest_c])
-    )
-    use_stairs = stairs is not None and not complete
+    floor_fill = L * rest_c
     best = math.inf
     v0 = v
     for _ in range(64):
-        if (m - 1) * v + floor_fill >= min(best, bound):
+        if (m - 1) * v + floor_fill >= best:
             # No bottleneck from v on does better, and the ones below v could not place L layers.
-            return min(best, (m - 1) * v + floor_fill)
-        # next bottleneck at which some capacity grows
-        nxt = min(
-            [(math.floor(v / o.layer_s + 1e-9) + 1) * o.layer_s for o in assigned
-             if math.floor(v / o.layer_s + 1e-9) < o.cap1]
-            + ([] if complete else [float(x) for x in rest.xs[np.searchsorted(rest.xs, v, side="right"):][:1]]),
-            default=math.inf,
-        )
-        # the cheapest fill under bottleneck v (the rest's, by staircase, anywhere below nxt)
-        left = L - sum(o.stages for o in assigned)
-        if use_stairs:
-            cs = [np.array([o.layer_s for o in assigned])]
-            ns = [np.array([o.stages * (min(o.cap1, math.floor(v / o.layer_s + 1e-9)) - 1) for o in assigned])]
-            for st in stairs:
-                c_, n_ = st.steps(nxt)
-                cs.append(c_)
-                ns.append(n_)
-            c_all, n_all = np.concatenate(cs), np.maximum(np.concatenate(ns), 0)
-            order = np.argsort(c_all, kind="stable")
-            c_all, n_all = c_all[order], n_all[order]
-            cum = np.cumsum(n_all)
-            if len(cum) and cum[-1] >= left:
-                j = int(np.searchsorted(cum, left))
-                prev = int(cum[j - 1]) if j else 0
-                fill = base + float(c_all[:j] @ n_all[:j]) + float(c_all[j]) * (left - prev) if left else base
-                best = min(best, (m - 1) * v + fill)
-        else:
-            fill = base
-            items = sorted(
-                [(o.layer_s, o.stages * (min(o.cap1, math.floor(v / o.layer_s + 1e-9)) - 1)) for o in assigned]
-                + ([] if complete else [(rest_c, int(rest(v)))])
-            )
-            for c, room in items:
-                take = min(max(room, 0), left)
-                fill += take * c
-                left -= take
-            if left == 0:
-                best = min(best, (m - 1) * v + fill)
+            return best
+        # next bottleneck at which the envelope grows
+        nxt = min((float(x) for x in rest.xs[np.searchsorted(rest.xs, v, side="right"):][:1]), default=math.inf)
+        steps = [st.steps(nxt) for st in stairs]
+        c_all = np.concatenate([c for c, _ in steps])
+        n_all = np.maximum(np.concatenate([n for _, n in steps]), 0)
+        order = np.argsort(c_all, kind="stable")
+        c_all, n_all = c_all[order], n_all[order]
+        cum = np.cumsum(n_all)
+        if len(cum) and cum[-1] >= L:
+            j = int(np.searchsorted(cum, L))
+            prev = int(cum[j - 1]) if j else 0
+            fill = float(c_all[:j] @ n_all[:j]) + float(c_all[j]) * (L - prev)
+            best = min(best, (m - 1) * v + fill)
         if nxt == math.inf:
             break
         v = nxt
@@ -573,8 +514,7 @@ def _leaf_bound(L: int, m: int, schedule: str, chosen: Sequence[Option], e_first
             hi = mid
         else:
             lo = mid + 1
-    if schedule == "gpipe":  # max f + max b >= max (f + b): the same bound holds
-        pass
+    # (GPipe: max f + max b >= max (f + b), so the same bound holds)
     fill = float(c.sum()) + (L - p) * float(c.min()) + e_first + e_last
     tail = _tail_lb(chosen, L, 0.0)
     return (m - 1) * float(values[lo]) * (1 - 1e-9) + fill + tail
