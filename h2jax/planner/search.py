@@ -494,7 +494,7 @@ def _envelope_bound(m: int, L: int, rest: _Envelope, rest_c: float, stairs: Sequ
 
 
 def _leaf_bound(L: int, m: int, schedule: str, chosen: Sequence[Option], e_first: float, e_last: float) -> float:
-    """Like `_lower_bound` for a complete stage list, with each position's in-flight memory
+    """Like `_envelope_bound` for a complete stage list, with each position's in-flight memory
     cap and the end stages' embedding/logits time: cheaper than building the leaf."""
     shapes = [o for o in chosen for _ in range(o.stages)]
     p = len(shapes)
