@@ -1,8 +1,7 @@
-"""Byte-level tokenizer and a token-file dataset.
+"""Raw byte token files: the byte codec, the stdlib demo corpus, synthetic data for tests.
 
-Tokens are bytes (vocab 256), stored as a flat uint8 file read through `np.memmap`. Batch `n`
-is a pure function of (seed, n): every process of an MPI job builds the same batch without
-communicating, and a run resumes from any step by asking for that step's batch.
+A raw token file is a flat uint8 file of bytes (vocab 256), read by `TokenDataset`. Datasets of
+real text with a tokenizer are built by `h2jax.data.prepare` instead.
 """
 
 from __future__ import annotations
@@ -62,30 +61,9 @@ def stdlib_corpus(path: str | Path | None = None, max_bytes: int = 8 << 20) -> P
     return write_token_file(np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8), path)
 
 
-class TokenDataset:
-    """Random windows of `seq_len + 1` tokens from a token file (inputs and shifted labels)."""
-
-    def __init__(self, path: str | Path, seq_len: int, seed: int = 0):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"token file {self.path} does not exist")
-        self.tokens = np.memmap(self.path, dtype=np.uint8, mode="r")
-        if len(self.tokens) < seq_len + 2:
-            raise ValueError(
-                f"token file {self.path} holds {len(self.tokens)} tokens, fewer than seq_len + 2 = "
-                f"{seq_len + 2}; use a larger file or a shorter seq_len"
-            )
-        self.seq_len, self.seed = seq_len, seed
-
-    def batch(self, step: int, batch_size: int) -> np.ndarray:
-        """Batch number `step`: int32 [batch_size, seq_len + 1]."""
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=batch_size)
-        window = np.arange(self.seq_len + 1)
-        return np.asarray(self.tokens[starts[:, None] + window[None, :]], dtype=np.int32)
-
-
-def synthetic_dataset(path: str | Path, seq_len: int, n_tokens: int = 1 << 16, seed: int = 0) -> TokenDataset:
+def synthetic_dataset(path: str | Path, seq_len: int, n_tokens: int = 1 << 16, seed: int = 0) -> "TokenDataset":
     """Random bytes in a token file: for tests that need data but not language."""
+    from h2jax.data.loading import TokenDataset
+
     tokens = np.random.default_rng(seed).integers(0, VOCAB_SIZE, n_tokens, dtype=np.uint8)
     return TokenDataset(write_token_file(tokens, path), seq_len, seed)

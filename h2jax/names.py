@@ -1,0 +1,57 @@
+"""One name per quantity, for every JSON output (run, plan, simulate, compare, demo --json,
+show --json, metrics) and one text format for layer ranges and meshes in every table.
+
+Who computed a figure (the planner's closed form, the simulator, a measured run) is said by the
+object that holds it (`"predicted": {...}`, `"simulated": {...}`, `"measured": {...}`), never
+by a different key for the same quantity. No imports: planner, simulator and runtime all use it.
+"""
+
+from __future__ import annotations
+
+# --- per step
+STEP = "step"
+STEP_TIME_S = "step_time_s"  # one optimizer step (an iteration), seconds
+TOKENS_PER_S = "tokens_per_s"
+TOKENS_PER_CHIP_PER_S = "tokens_per_chip_per_s"  # TGS
+MFU = "mfu"  # model FLOP utilization against the chips' peak dense bf16 FLOP/s
+BUBBLE_FRACTION = "bubble_fraction"
+LOSS = "loss"
+LOSSES = "losses"
+GRAD_NORM = "grad_norm"
+GRAD_NORMS = "grad_norms"
+LEARNING_RATE = "learning_rate"
+EVAL_LOSS = "eval_loss"
+EVAL_PERPLEXITY = "eval_perplexity"
+TOKENS_SEEN = "tokens_seen"
+
+# --- per stage (lists in pipeline order)
+STAGE_BUSY_FRACTION = "stage_busy_fraction"
+STAGE_IDLE_FRACTION = "stage_idle_fraction"
+STAGE_MEMORY_BYTES = "stage_memory_bytes"
+
+# --- who computed it
+PREDICTED = "predicted"
+SIMULATED = "simulated"
+MEASURED = "measured"
+
+# Table column headers for the same quantities.
+HEADERS = {
+    STEP_TIME_S: "step s",
+    TOKENS_PER_S: "tokens/s",
+    TOKENS_PER_CHIP_PER_S: "tokens/chip/s",
+    MFU: "MFU",
+    BUBBLE_FRACTION: "bubble",
+    LOSS: "loss",
+    EVAL_LOSS: "eval loss",
+}
+
+
+def format_layers(layers) -> str:
+    """A layer range `[start, end)` as every table shows it."""
+    start, end = layers
+    return f"[{start}, {end})"
+
+
+def format_mesh(data: int, tensor: int) -> str:
+    """A `("data", "tensor")` mesh as every table shows it."""
+    return f"data={data},tensor={tensor}"
