@@ -130,15 +130,17 @@ def load_chip(name: str, directory: Path | None = None) -> ChipType:
 
 # Per-group fields that may override the chip file (a site's nodes can differ from the sheet).
 _GROUP_OVERRIDES = ("chips_per_node", "intra_node_gbps", "inter_node_gbps")
-_GROUP_KEYS = ("chip", "count") + _GROUP_OVERRIDES
+_GROUP_KEYS = ("chip", "count", "hosts", "hostfile") + _GROUP_OVERRIDES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChipGroup:
-    """`count` chips of one type; `chip` already has the group's overrides applied."""
+    """`count` chips of one type; `chip` already has the group's overrides applied.
+    `hosts`: the nodes they sit on (`chip.chips_per_node` each), when the cluster file lists them."""
 
     chip: ChipType
     count: int
+    hosts: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,6 +163,15 @@ class Cluster:
             seen.add(g.chip.name)
             if g.count < 1:
                 raise ConfigError(f"cluster {self.name!r}: group {g.chip.name!r} count must be >= 1")
+        host_group: dict[str, str] = {}
+        for g in self.groups:
+            for h in g.hosts:
+                if h in host_group:
+                    raise ConfigError(
+                        f"cluster {self.name!r}: host {h!r} is listed in both group {host_group[h]!r} "
+                        f"and group {g.chip.name!r}; a host holds chips of one type"
+                    )
+                host_group[h] = g.chip.name
 
     @property
     def chips(self) -> dict[str, ChipType]:
@@ -209,8 +220,11 @@ def cluster_from_dict(raw: Mapping[str, Any], where: str, directory: Path | None
             raise ConfigError(
                 f"{gw}.chip is missing; name a chip type, one of: {', '.join(known_chips(directory))}"
             )
+        hosts = _group_hosts(g, gw, Path(where).parent)
         count = g.get("count")
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        if count is None and hosts:
+            count = -1  # filled in below: every chip of every listed host
+        elif not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ConfigError(f"{gw}.count must be an integer >= 1, got {count!r}")
         chip = load_chip(str(g["chip"]), directory)
         overrides: dict[str, Any] = {}
@@ -227,8 +241,38 @@ def cluster_from_dict(raw: Mapping[str, Any], where: str, directory: Path | None
             chip = dataclasses.replace(
                 chip, source=f"{chip.source}; overridden by {where}: {sorted(overrides)}", **overrides
             )
-        groups.append(ChipGroup(chip, count))
+        if hosts:
+            room = len(hosts) * chip.chips_per_node
+            if count == -1:
+                count = room
+            elif count > room:
+                raise ConfigError(
+                    f"{gw}.count ({count}) is more than its {len(hosts)} host(s) x chips_per_node "
+                    f"({chip.chips_per_node}) = {room}; list more hosts, set chips_per_node, or lower count"
+                )
+        groups.append(ChipGroup(chip, count, tuple(hosts)))
     return Cluster(tuple(groups), name=str(raw.get("name", where)))
+
+
+def _group_hosts(g: Mapping[str, Any], gw: str, base: Path) -> list[str]:
+    """A group's hosts: `hosts = ["h100-[01-04]"]` (SLURM-style ranges) or `hostfile = "..."`
+    (relative to the cluster file)."""
+    from h2jax.launch.hosts import expand_hosts, read_hostfile
+
+    if "hosts" in g and "hostfile" in g:
+        raise ConfigError(f"{gw} sets both hosts and hostfile; keep one")
+    if "hostfile" in g:
+        if not isinstance(g["hostfile"], str):
+            raise ConfigError(f"{gw}.hostfile must be a path, got {g['hostfile']!r}")
+        return read_hostfile(base / g["hostfile"])
+    if "hosts" in g:
+        spec = g["hosts"]
+        if isinstance(spec, str):
+            spec = [spec]
+        if not isinstance(spec, list) or not spec:
+            raise ConfigError(f"{gw}.hosts must be a list of host names or ranges, e.g. [\"h100-[01-04]\"]")
+        return expand_hosts(spec)
+    return []
 
 
 def load_cluster(path: str | Path, directory: Path | None = None) -> Cluster:

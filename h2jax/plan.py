@@ -36,6 +36,14 @@ class Mesh:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class HostSlot:
+    """One process of a stage: the host it runs on and that host's chips (local ids) it gets."""
+
+    host: str
+    devices: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Stage:
     """A contiguous layer range `[layers[0], layers[1])` on chips of one type, on one mesh."""
 
@@ -45,6 +53,7 @@ class Stage:
     recompute: str = "none"
     devices: tuple[int, ...] | None = None  # local device ids (single-process runs)
     processes: int = 1  # MPI processes this stage spans
+    hosts: tuple[HostSlot, ...] | None = None  # one per process, in rank order (`h2jax launch`)
 
     @property
     def n_layers(self) -> int:
@@ -131,6 +140,8 @@ def _stage_to_dict(stage: Stage) -> dict[str, Any]:
         out["devices"] = list(stage.devices)
     if stage.processes != 1:
         out["processes"] = stage.processes
+    if stage.hosts is not None:
+        out["hosts"] = [{"host": h.host, "devices": list(h.devices)} for h in stage.hosts]
     return out
 
 
@@ -150,7 +161,7 @@ def _parse_stage(raw: Any, i: int) -> Stage:
     where = f"stages[{i}]"
     if not isinstance(raw, Mapping):
         raise PlanError(f"{where} must be an object with chip, mesh, layers")
-    known = {"chip", "mesh", "layers", "recompute", "devices", "processes"}
+    known = {"chip", "mesh", "layers", "recompute", "devices", "processes", "hosts"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise PlanError(f"{where}: unknown field(s) {unknown}; known fields: {sorted(known)}")
@@ -204,7 +215,39 @@ def _parse_stage(raw: Any, i: int) -> Stage:
         recompute=recompute,
         devices=devices,
         processes=processes,
+        hosts=_parse_hosts(raw.get("hosts"), where, mesh.size, processes),
     )
+
+
+def _parse_hosts(raw: Any, where: str, size: int, processes: int) -> tuple[HostSlot, ...] | None:
+    """`hosts`: one {"host", "devices"} per process, each with the stage's share of chips."""
+    if raw is None:
+        return None
+    fix = "(written by `h2jax plan` from a cluster file whose groups list hosts)"
+    if not isinstance(raw, (list, tuple)) or len(raw) != processes:
+        raise PlanError(
+            f"{where}.hosts must list one {{\"host\", \"devices\"}} per process ({processes}), "
+            f"got {raw!r} {fix}"
+        )
+    per = size // processes
+    slots = []
+    for j, slot in enumerate(raw):
+        w = f"{where}.hosts[{j}]"
+        if not isinstance(slot, Mapping) or set(slot) != {"host", "devices"}:
+            raise PlanError(f"{w} must be an object {{\"host\": name, \"devices\": [ids]}}, got {slot!r}")
+        host, ids = slot["host"], slot["devices"]
+        if not isinstance(host, str) or not host.strip():
+            raise PlanError(f"{w}.host must be a host name, got {host!r}")
+        if (
+            not isinstance(ids, (list, tuple)) or len(ids) != per or len(set(ids)) != len(ids)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in ids)
+        ):
+            raise PlanError(
+                f"{w}.devices must list {per} distinct chip ids >= 0 on {host} (data*tensor / processes), "
+                f"got {ids!r}"
+            )
+        slots.append(HostSlot(host, tuple(ids)))
+    return tuple(slots)
 
 
 def _parse_optimizer(raw: Any) -> Optimizer:
@@ -315,6 +358,23 @@ def validate(plan: Plan) -> None:
             f"stages cover layers [0, {expected}) but the model has {plan.model.n_layers} layers; "
             f"the last stage must end at layer {plan.model.n_layers}"
         )
+    with_hosts = [s.hosts is not None for s in plan.stages]
+    if any(with_hosts) and not all(with_hosts):
+        missing = [i for i, h in enumerate(with_hosts) if not h]
+        raise PlanError(
+            f"stages {missing} record no hosts but the others do; give every stage its hosts "
+            "(re-plan with a cluster file whose groups all list hosts) or none"
+        )
+    on_host: dict[tuple[str, int], int] = {}
+    for i, stage in enumerate(plan.stages):
+        for slot in stage.hosts or ():
+            for d in slot.devices:
+                if (slot.host, d) in on_host:
+                    raise PlanError(
+                        f"stages[{i}].hosts gives chip {d} of {slot.host} to a process, but "
+                        f"stages[{on_host[slot.host, d]}] already has it; give each process its own chips"
+                    )
+                on_host[slot.host, d] = i
     used: dict[int, int] = {}
     for i, stage in enumerate(plan.stages):
         for d in stage.devices or ():

@@ -9,6 +9,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from h2jax.cluster import Cluster
 from h2jax.config import ModelConfig, get_config
+from h2jax.launch.hosts import assign_hosts
 from h2jax.plan import RECOMPUTE_POLICIES, Optimizer, Plan
 from h2jax.planner import cost_model as cm
 from h2jax.planner.baselines import Baseline, hetero_speedup_ratio, homogeneous_baselines
@@ -26,11 +27,13 @@ class PlanResult:
     hetero_speedup_ratio: float | None
     uniform_split: dict[str, Any] | None  # the same stages with layers split evenly, for contrast
     fixed_batch_baselines: dict[str, Baseline] | None = None  # paper-style, batch-mismatched
+    cluster: Cluster | None = None  # where the candidates' hosts come from
 
     def candidate_plans(self) -> list[Plan]:
         """The top-k candidates as plans (no `predicted`), fastest first under the cost model."""
         p = self.plan
-        return [candidate_plan(c, p.model, p.seq_len, p.global_batch, p.schedule, p.optimizer) for c in self.candidates]
+        plans = [candidate_plan(c, p.model, p.seq_len, p.global_batch, p.schedule, p.optimizer) for c in self.candidates]
+        return plans if self.cluster is None else [assign_hosts(q, self.cluster) for q in plans]
 
 
 def predict(
@@ -139,8 +142,8 @@ def plan_cluster(
     uniform = uniform_split(plan, cluster, profile, options)
     if uniform is not None:
         predicted["uniform_split"] = uniform
-    plan = dataclasses.replace(plan, predicted=predicted)
-    return PlanResult(plan, candidates, stats, base, ratio, uniform, fixed)
+    plan = assign_hosts(dataclasses.replace(plan, predicted=predicted), cluster)  # after the search: where each process runs
+    return PlanResult(plan, candidates, stats, base, ratio, uniform, fixed, cluster)
 
 
 def even_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:

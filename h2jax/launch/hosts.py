@@ -1,0 +1,185 @@
+"""Host names: SLURM-style range expansion, hostfiles, and placing a plan's stages on hosts.
+
+`expand_hosts("h100-[01-04],a100-7")` gives `h100-01 .. h100-04, a100-7` (zero padding kept,
+several brackets multiply, `[1,3,5-7]` lists); it also reads `SLURM_JOB_NODELIST`.
+`assign_hosts(plan, cluster)` gives every stage of a plan its hosts: each stage's processes on
+hosts of its own chip type's group, each process holding the same number of that host's
+chips, whole tensor-parallel groups per process where the host has room for them.
+
+No JAX import: the planner and the launcher use this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from h2jax.config import ConfigError
+
+_BRACKET = re.compile(r"\[([^\[\]]*)\]")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets: 'a[1,2],b' -> ['a[1,2]', 'b']."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ConfigError(f"host list {text!r} has a ']' without its '['")
+        elif ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ConfigError(f"host list {text!r} has a '[' without its ']'")
+    out.append(text[start:])
+    return [p.strip() for p in out if p.strip()]
+
+
+def _range_values(body: str, where: str) -> list[str]:
+    values: list[str] = []
+    for part in body.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ConfigError(
+                f"host range [{body}] in {where!r}: {part!r} is not a number or a range lo-hi; "
+                "write e.g. node[01-04,07]"
+            )
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if int(hi) < int(lo):
+            raise ConfigError(f"host range [{body}] in {where!r}: {part} runs backwards; write {hi}-{lo}")
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        values.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return values
+
+
+def _expand_one(pattern: str) -> list[str]:
+    m = _BRACKET.search(pattern)
+    if m is None:
+        return [pattern]
+    head, tail = pattern[: m.start()], pattern[m.end() :]
+    return [h for v in _range_values(m.group(1), pattern) for h in _expand_one(head + v + tail)]
+
+
+def expand_hosts(spec: str | Sequence[str]) -> list[str]:
+    """Host names from SLURM-style range patterns, in order, duplicates refused."""
+    patterns = [spec] if isinstance(spec, str) else list(spec)
+    hosts: list[str] = []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ConfigError(f"a host pattern must be a string, got {pattern!r}")
+        for part in _split_top_level(pattern):
+            hosts.extend(_expand_one(part))
+    seen: set[str] = set()
+    for h in hosts:
+        if not re.fullmatch(r"[A-Za-z0-9_.:-]+", h):
+            raise ConfigError(f"host name {h!r} has characters a host name cannot have")
+        if h in seen:
+            raise ConfigError(f"host {h!r} is listed twice; list each host once")
+        seen.add(h)
+    return hosts
+
+
+def read_hostfile(path: str | Path) -> list[str]:
+    """Hosts from a hostfile: one per line, `#` comments; MPICH `host:N` and Open MPI
+    `host slots=N` forms are accepted (the count is ignored: chips per host come from the
+    cluster file's `chips_per_node`). Range patterns are expanded."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"hostfile {path} does not exist; write one host name per line")
+    patterns = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name = line.split()[0]
+        if ":" in name and name.rsplit(":", 1)[1].isdigit():
+            name = name.rsplit(":", 1)[0]
+        patterns.append(name)
+    if not patterns:
+        raise ConfigError(f"hostfile {path} lists no hosts")
+    return expand_hosts(patterns)
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one MPI rank runs: its stage, its host, and that host's chips it gets."""
+
+    rank: int
+    stage: int
+    chip: str
+    host: str
+    devices: tuple[int, ...]
+
+
+def placements(plan) -> list[Placement]:
+    """Rank -> placement for a plan whose stages record hosts (ranks fill stages in order,
+    a stage's processes in the order of its `hosts`)."""
+    out: list[Placement] = []
+    for i, stage in enumerate(plan.stages):
+        if stage.hosts is None:
+            raise ConfigError(
+                f"stages[{i}] records no hosts; plan with a cluster file whose groups list `hosts` "
+                "(or add \"hosts\": [{\"host\": ..., \"devices\": [...]}] to the stage)"
+            )
+        for slot in stage.hosts:
+            out.append(Placement(len(out), i, stage.chip, slot.host, slot.devices))
+    return out
+
+
+def _per_process(size: int, tensor: int, per_host: int) -> int:
+    """Chips per process for a stage of `size` chips on hosts of `per_host` chips: the most
+    that divides the stage and fits a host, keeping tensor-parallel groups whole if it can."""
+    fits = [k for k in range(min(size, per_host), 0, -1) if size % k == 0]
+    whole = [k for k in fits if k % tensor == 0]
+    return (whole or fits)[0]
+
+
+def assign_hosts(plan, cluster):
+    """The plan with every stage's hosts filled in from the cluster's groups; unchanged if no
+    group lists hosts. Stages take their chip type's hosts in pipeline order, each process
+    the lowest free chips of the first host with room for them."""
+    from h2jax.plan import HostSlot
+
+    groups = {g.chip.name: g for g in cluster.groups}
+    if not any(g.hosts for g in cluster.groups):
+        return plan
+    free: dict[str, dict[str, list[int]]] = {
+        name: {h: list(range(g.chip.chips_per_node)) for h in g.hosts} for name, g in groups.items()
+    }
+    stages = []
+    for i, stage in enumerate(plan.stages):
+        group = groups.get(stage.chip)
+        if group is None or not group.hosts:
+            raise ConfigError(
+                f"stages[{i}] runs on {stage.chip!r}, whose cluster group lists no hosts; "
+                f"add hosts = [...] (or hostfile = \"...\") to that [[group]], or to none of them"
+            )
+        per = _per_process(stage.mesh.size, stage.mesh.tensor, group.chip.chips_per_node)
+        slots = []
+        for _ in range(stage.mesh.size // per):
+            host = next((h for h, ids in free[stage.chip].items() if len(ids) >= per), None)
+            if host is None:
+                left = sum(len(ids) for ids in free[stage.chip].values())
+                raise ConfigError(
+                    f"stages[{i}] needs {stage.mesh.size} {stage.chip} chips in processes of {per}, "
+                    f"but the group's hosts have only {left} chips left ({len(group.hosts)} hosts x "
+                    f"{group.chip.chips_per_node} chips_per_node); list more hosts"
+                )
+            ids, free[stage.chip][host] = free[stage.chip][host][:per], free[stage.chip][host][per:]
+            slots.append(HostSlot(host, tuple(ids)))
+        stages.append(dataclasses.replace(stage, processes=len(slots), hosts=tuple(slots)))
+    return plan.with_stages(stages)
+
+
+def hosts_of(places: Iterable[Placement]) -> list[str]:
+    """Distinct hosts in rank order."""
+    return list(dict.fromkeys(p.host for p in places))

@@ -1,0 +1,132 @@
+"""Checkpoints: resume bit-exact on the same plan, within f32 tolerance on another plan, never
+from a half-written or foreign checkpoint."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from h2jax.data import TokenDataset
+from h2jax.plan import plan_from_dict
+from h2jax.runtime import checkpoint as ckpt
+from h2jax.runtime.train import Trainer
+
+SEQ = 16
+ADAMW = {"name": "adamw", "learning_rate": 0.01, "weight_decay": 0.1, "clip_norm": 0.3}
+
+
+def stage(chip, data, tensor, layers, recompute="none"):
+    return {"chip": chip, "mesh": {"data": data, "tensor": tensor}, "layers": layers, "recompute": recompute}
+
+
+def make_plan(stages, schedule="1f1b", model="tiny", **extra):
+    return plan_from_dict({
+        "format_version": 1, "model": model, "seq_len": SEQ, "global_batch": 8, "micro_batch": 2,
+        "schedule": schedule, "seed": 0, "stages": stages, "optimizer": ADAMW, **extra,
+    })
+
+
+# Written under two stages (ZeRO-1 over data=2 on the first)...
+TWO = [stage("cpu", 2, 1, [0, 2]), stage("cpu", 1, 2, [2, 4])]
+# ... read under three, other meshes, emulated chip types, the other schedule.
+THREE = [stage("emu-fast", 1, 2, [0, 1]), stage("emu-mid", 2, 1, [1, 3], "selective"),
+         stage("cpu", 2, 2, [3, 4])]
+
+
+def train(trainer, dataset, start, n):
+    return [trainer.step(dataset.batch(k, trainer.plan.global_batch)) for k in range(start, start + n)]
+
+
+def save(trainer, directory, step, keep=None):
+    writer = ckpt.CheckpointWriter(directory, keep=keep)
+    writer.save(step, trainer.executors, ckpt.checkpoint_meta(trainer.plan, step))
+    return writer.wait()
+
+
+@pytest.fixture(scope="module")
+def dataset(token_file):
+    return TokenDataset(token_file, SEQ)
+
+
+@pytest.fixture(scope="module")
+def straight(dataset):
+    trainer = Trainer(make_plan(TWO), emulate_time=False)
+    return train(trainer, dataset, 0, 6), trainer.params_numpy()
+
+
+@pytest.fixture(scope="module")
+def saved(dataset, tmp_path_factory):
+    """3 steps under TWO, saved at step 3; the writer's trainer."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    trainer = Trainer(make_plan(TWO), emulate_time=False)
+    losses = train(trainer, dataset, 0, 3)
+    path = save(trainer, directory, 3)
+    return directory, path, losses
+
+
+def test_same_plan_resume_is_bit_identical(straight, saved, dataset):
+    directory, path, first = saved
+    assert path == ckpt.step_dir(directory, 3) and (path / ckpt.META).is_file()
+    plan = make_plan(TWO)
+    checkpoint = ckpt.open_checkpoint(directory, plan)
+    assert checkpoint.step == 3
+    trainer = Trainer(plan, emulate_time=False)
+    for ex in trainer.executors.values():
+        checkpoint.restore(ex)
+    losses = first + train(trainer, dataset, checkpoint.meta["data"]["position"], 3)
+    want_losses, want_params = straight
+    np.testing.assert_array_equal(losses, want_losses)
+    got = trainer.params_numpy()
+    assert got.keys() == want_params.keys()
+    for k in got:
+        np.testing.assert_array_equal(got[k], want_params[k], err_msg=k)
+
+
+def test_other_plan_resumes_within_f32_tolerance(straight, saved, dataset):
+    directory, _, first = saved
+    plan = make_plan(THREE, schedule="gpipe")
+    checkpoint = ckpt.open_checkpoint(directory, plan)
+    trainer = Trainer(plan, emulate_time=False)
+    for ex in trainer.executors.values():
+        checkpoint.restore(ex)
+    # The optimizer moments now lie split over the new stages' data axes (ZeRO-1).
+    mu = trainer.executors[1].opt_state[0].mu["layer_001"]["mlp"]["w_up_DF"]
+    assert "data" in str(mu.sharding.spec)
+    losses = train(trainer, dataset, 3, 3)
+    np.testing.assert_allclose(first + losses, straight[0], rtol=1e-5)
+    got = trainer.params_numpy()
+    for k, want in straight[1].items():
+        np.testing.assert_allclose(got[k], want, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_group_trees_round_trip_the_optimizer_state(saved):
+    plan = make_plan(TWO)
+    trainer = Trainer(plan, emulate_time=False)
+    ex = trainer.executors[0]
+    groups = ckpt.group_trees(ex.params, ex.opt_state)
+    assert sorted(groups) == ["embed", "layer_000", "layer_001"]
+    assert set(groups["layer_000"]["opt"]) == {"0_mu", "0_nu"}
+    assert set(groups["layer_000"]["opt_shared"]) == {"0_count"}
+    back = ckpt.opt_state_from_groups(ex.opt_state, groups)
+    import jax
+
+    assert jax.tree.structure(back) == jax.tree.structure(ex.opt_state)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(ex.opt_state)):
+        assert a is b
+
+
+def test_keep_prunes_and_pending_is_never_read(dataset, tmp_path):
+    plan = make_plan(TWO)
+    trainer = Trainer(plan, emulate_time=False)
+    writer = ckpt.CheckpointWriter(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        train(trainer, dataset, step - 1, 1)
+        writer.save(step, trainer.executors, ckpt.checkpoint_meta(plan, step))
+    assert writer.pending_step == 3  # asynchronous: the last one is still in flight
+    assert writer.close() == ckpt.step_dir(tmp_path, 3)
+    assert ckpt.complete_steps(tmp_path) == [2, 3]
+    # A write that never finished (a crash) is invisible: the newest complete one is used.
+    (tmp_path / "step_000004.pending" / "layers_000-001").mkdir(parents=True)
+    assert ckpt.open_checkpoint(tmp_path, plan).step == 3
+
