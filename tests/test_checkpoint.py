@@ -130,3 +130,88 @@ def test_keep_prunes_and_pending_is_never_read(dataset, tmp_path):
     (tmp_path / "step_000004.pending" / "layers_000-001").mkdir(parents=True)
     assert ckpt.open_checkpoint(tmp_path, plan).step == 3
 
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    """A private copy of the saved checkpoint directory, to damage."""
+    import shutil
+
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved[0], directory)
+    return directory
+
+
+def _array_file(directory, group):
+    item = ckpt.step_dir(directory, 3) / "layers_000-001"
+    sums = json.loads((item.parent / ("layers_000-001" + ckpt.SUMS)).read_text())
+    rel = next(r for r, (size, _) in sums.items() if r.startswith(group + ".params") and size > 64)
+    return item / rel
+
+
+def test_another_model_config_is_refused(copy):
+    other = make_plan([stage("cpu", 1, 1, [0, 4])], model={
+        "vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 256})
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint\.json: written for another model config \(d_ff: checkpoint 128, plan 256\)"):
+        ckpt.open_checkpoint(copy, other)
+
+
+def test_corrupted_array_file_is_named(copy):
+    path = _array_file(copy, "layer_000")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=f"{path}: corrupted"):
+        ckpt.open_checkpoint(copy, make_plan(TWO))
+    # A stage that does not read that layer is not refused for it.
+    ckpt.open_checkpoint(copy, make_plan(TWO), stages=[1])
+
+
+def test_truncated_array_file_is_named(copy):
+    path = _array_file(copy, "embed")
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(ckpt.CheckpointError, match=f"{path}: truncated"):
+        ckpt.open_checkpoint(copy, make_plan(THREE))
+
+
+def test_truncated_metadata_is_named(copy):
+    meta = ckpt.step_dir(copy, 3) / ckpt.META
+    os.truncate(meta, meta.stat().st_size // 2)
+    with pytest.raises(ckpt.CheckpointError, match=f"{meta}: unreadable or truncated"):
+        ckpt.open_checkpoint(copy, make_plan(TWO))
+
+
+def test_missing_item_is_named(copy):
+    import shutil
+
+    item = ckpt.step_dir(copy, 3) / "layers_002-003"
+    shutil.rmtree(item)
+    with pytest.raises(ckpt.CheckpointError, match=f"{item}: missing \\(it holds head, layer_002, layer_003\\)"):
+        ckpt.open_checkpoint(copy, make_plan(TWO))
+
+
+def test_missing_step_names_the_steps_there(copy):
+    with pytest.raises(ckpt.CheckpointError, match=r"step_000005: no checkpoint of step 5; this directory holds steps 3"):
+        ckpt.open_checkpoint(copy, make_plan(TWO), step=5)
+
+
+def test_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ckpt.CheckpointError, match=f"{tmp_path}: not an h2jax checkpoint directory"):
+        ckpt.open_checkpoint(tmp_path, make_plan(TWO))
+    with pytest.raises(ckpt.CheckpointError, match="no such checkpoint directory"):
+        ckpt.open_checkpoint(tmp_path / "nope", make_plan(TWO))
+
+
+def test_other_data_settings_are_refused(copy):
+    with pytest.raises(ckpt.CheckpointError, match=r"data global_batch is 8 in the checkpoint but 16 in the plan"):
+        ckpt.open_checkpoint(copy, make_plan(TWO).__class__(**{**_fields(make_plan(TWO)), "global_batch": 16}))
+
+
+def _fields(plan):
+    import dataclasses
+
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
