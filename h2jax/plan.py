@@ -19,6 +19,7 @@ FORMAT_VERSION = 1
 SCHEDULES = ("1f1b", "gpipe")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 class PlanError(ConfigError):
@@ -77,6 +78,20 @@ class Optimizer:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Train:
+    """How a run trains beyond one step: the learning-rate schedule (its peak is
+    optimizer.learning_rate), evaluation on the validation split, the logging interval."""
+
+    lr_schedule: str = "constant"  # constant | linear | cosine (decay after a linear warm-up)
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # the schedule's length, warm-up included; None: the run's steps
+    final_lr_fraction: float = 0.1  # learning rate at the end of decay, as a fraction of the peak
+    eval_every: int = 0  # evaluate every N steps (and after the last); 0: never
+    eval_batches: int = 4  # validation batches (of global_batch sequences) per evaluation
+    log_every: int = 1  # write a metrics record every N steps
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     model: ModelConfig
     seq_len: int
@@ -86,6 +101,7 @@ class Plan:
     schedule: str = "1f1b"
     seed: int = 0
     optimizer: Optimizer = Optimizer()
+    train: Train = Train()
     predicted: Mapping[str, Any] | None = None
     model_name: str | None = None  # the preset name when the model is a preset
 
@@ -122,6 +138,7 @@ class Plan:
             "schedule": self.schedule,
             "seed": self.seed,
             "optimizer": dataclasses.asdict(self.optimizer),
+            **({"train": dataclasses.asdict(self.train)} if self.train != Train() else {}),
             "stages": [_stage_to_dict(s) for s in self.stages],
         }
         if self.predicted is not None:
@@ -271,6 +288,29 @@ def _parse_optimizer(raw: Any) -> Optimizer:
     return opt
 
 
+def parse_train(raw: Any, where: str = "train") -> Train:
+    """The `train` section (or CLI overrides merged into it); errors name the field."""
+    if raw is None:
+        return Train()
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"{where} must be an object, e.g. {{\"lr_schedule\": \"cosine\", \"warmup_steps\": 10}}")
+    fields = {f.name for f in dataclasses.fields(Train)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise PlanError(f"{where}: unknown field(s) {unknown}; known fields: {sorted(fields)}")
+    train = Train(**raw)
+    if train.lr_schedule not in LR_SCHEDULES:
+        raise PlanError(f"{where}.lr_schedule {train.lr_schedule!r} is unknown; use one of {', '.join(LR_SCHEDULES)}")
+    for key, minimum in (("warmup_steps", 0), ("eval_every", 0), ("eval_batches", 1), ("log_every", 1)):
+        _int_field({key: getattr(train, key)}, key, where, minimum)
+    if train.decay_steps is not None:
+        _int_field({"decay_steps": train.decay_steps}, "decay_steps", where, 1)
+    frac = train.final_lr_fraction
+    if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 <= frac <= 1:
+        raise PlanError(f"{where}.final_lr_fraction must be in [0, 1], got {train.final_lr_fraction!r}")
+    return train
+
+
 def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
     """Parse and validate a plan; every error names the field and the fix."""
     if not isinstance(raw, Mapping):
@@ -283,7 +323,7 @@ def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
         )
     known = {
         "format_version", "model", "seq_len", "global_batch", "micro_batch", "schedule",
-        "seed", "optimizer", "stages", "predicted", "search",
+        "seed", "optimizer", "train", "stages", "predicted", "search",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -317,6 +357,7 @@ def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
         schedule=schedule,
         seed=seed,
         optimizer=_parse_optimizer(raw.get("optimizer")),
+        train=parse_train(raw.get("train")),
         predicted=predicted,
         model_name=model_name,
     )

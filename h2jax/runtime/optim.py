@@ -1,4 +1,5 @@
-"""Per-stage optax optimizers with gradient clipping by the norm over *all* stages.
+"""Per-stage optax optimizers, learning-rate schedules, and gradient clipping by the norm
+over *all* stages.
 
 Each stage steps its own optimizer, but clipping must see the whole model's gradient:
 the stages' squared norms are summed across stages (one scalar all-reduce) and the global
@@ -12,15 +13,51 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from h2jax.plan import Optimizer
+from h2jax.plan import Optimizer, PlanError, Train
 
 
-def make_optimizer(opt: Optimizer) -> optax.GradientTransformation:
+def learning_rate_schedule(opt: Optimizer, train: Train | None = None, steps: int | None = None):
+    """The learning rate of optimizer update `n` (0-based): a float when it is constant, else
+    an optax schedule. Its peak is `opt.learning_rate`; a linear warm-up from 0 over
+    `train.warmup_steps`, then constant, linear or cosine decay to `final_lr_fraction` of the
+    peak at `train.decay_steps` (default `steps`, the run's length). The optimizer's own update
+    count drives it, so a run resumed with its optimizer state continues the same curve."""
+    train = train or Train()
+    peak = opt.learning_rate
+    warmup = train.warmup_steps
+    if train.lr_schedule == "constant" and warmup == 0:
+        return peak
+    horizon = train.decay_steps or steps
+    if train.lr_schedule != "constant":
+        if horizon is None:
+            raise PlanError(f"train.lr_schedule {train.lr_schedule!r} needs train.decay_steps or the run's step count")
+        if horizon <= warmup:
+            raise PlanError(
+                f"train.warmup_steps ({warmup}) must be less than the schedule's length ({horizon} steps: "
+                "train.decay_steps, or the run's steps); shorten the warm-up or lengthen the run"
+            )
+    end = peak * train.final_lr_fraction
+    if train.lr_schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, horizon, end)
+    after = (optax.constant_schedule(peak) if train.lr_schedule == "constant"
+             else optax.linear_schedule(peak, end, horizon - warmup))
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def learning_rate_at(schedule, n: int) -> float:
+    """The learning rate of update `n` under `schedule` (a float or an optax schedule)."""
+    return float(schedule(n)) if callable(schedule) else float(schedule)
+
+
+def make_optimizer(opt: Optimizer, schedule=None) -> optax.GradientTransformation:
+    """`opt`'s optax optimizer; `schedule` (from `learning_rate_schedule`) replaces the
+    constant `opt.learning_rate`."""
+    lr = opt.learning_rate if schedule is None else schedule
     if opt.name == "sgd":
-        return optax.sgd(opt.learning_rate)
-    return optax.adamw(
-        opt.learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay
-    )
+        return optax.sgd(lr)
+    return optax.adamw(lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
 
 
 def squared_norm(grads) -> jax.Array:
