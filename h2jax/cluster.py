@@ -6,7 +6,9 @@ No JAX import here: the planner reads chip files without touching a backend.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,6 +16,11 @@ from typing import Any, Mapping
 from h2jax.config import ConfigError
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu", "oneapi")
+# What a chip's [precision] may name: the dtypes stages train in, and JAX's matmul precisions.
+DTYPES = ("float32", "bfloat16", "float16")
+MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
+# A chip type is a file stem in backends/: no directories, no "..", no hidden files.
+_CHIP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,26 +86,78 @@ def known_chips(directory: Path | None = None) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.toml"))
 
 
+def check_chip_name(name: Any, where: str) -> str:
+    """A chip type names a file in backends/: refuse paths (`../x`, `/etc/x`) and non-strings."""
+    if not isinstance(name, str) or ".." in name or not _CHIP_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{where} {name!r} is not a chip type name; use a file name from backends/ without "
+            f"directory or .toml (letters, digits, '.', '_', '-'), e.g. \"cpu\""
+        )
+    return name
+
+
+def _positive(raw: Mapping[str, Any], key: str, where: str, unit: str) -> float:
+    """A finite number > 0: refuses strings, booleans, NaN and infinity, naming the key."""
+    value = raw[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{where}: {key} must be a finite positive number ({unit}), got {value!r}")
+    return float(value)
+
+
+def _table(raw: Mapping[str, Any], key: str, where: str, known: tuple[str, ...] | None) -> Mapping[str, Any]:
+    value = raw.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: {key} must be a [{key}] table, got {value!r}")
+    if known is not None and set(value) - set(known):
+        raise ConfigError(
+            f"{where}: unknown key(s) {sorted(set(value) - set(known))} in [{key}]; known keys: {', '.join(known)}"
+        )
+    return value
+
+
+def _precision(raw: Mapping[str, Any], where: str) -> Precision:
+    table = _table(raw, "precision", where, tuple(f.name for f in dataclasses.fields(Precision)))
+    for key in ("param_dtype", "compute_dtype"):
+        if key in table and table[key] not in DTYPES:
+            raise ConfigError(f"{where}: precision.{key} {table[key]!r} is unknown; use one of {', '.join(DTYPES)}")
+    if "matmul_precision" in table and table["matmul_precision"] not in MATMUL_PRECISIONS:
+        raise ConfigError(
+            f"{where}: precision.matmul_precision {table['matmul_precision']!r} is unknown; "
+            f"use one of {', '.join(MATMUL_PRECISIONS)}"
+        )
+    return Precision(**table)
+
+
 def chip_from_dict(name: str, raw: Mapping[str, Any], where: str) -> ChipType:
     missing = [k for k in _CHIP_REQUIRED if k not in raw]
     if missing:
         raise ConfigError(f"{where}: missing field(s) {missing}")
+    if raw.get("name", name) != name:
+        raise ConfigError(
+            f"{where}: name {raw['name']!r} differs from the file's name {name!r}; plans and clusters "
+            f"name a chip type by its file, so set name = \"{name}\" (or rename the file)"
+        )
     emulate = None
     if "emulate" in raw:
-        em = raw["emulate"]
+        em = _table(raw, "emulate", where, ("slowdown", "memory_gib"))
         if "slowdown" not in em or "memory_gib" not in em:
             raise ConfigError(f"{where}: [emulate] needs both 'slowdown' and 'memory_gib'")
-        if float(em["slowdown"]) < 1.0:
+        slowdown = _positive(em, "slowdown", f"{where}: [emulate]", "times slower than the host")
+        if slowdown < 1.0:
             raise ConfigError(f"{where}: emulate.slowdown must be >= 1 (the CPU is the fastest it can go)")
-        emulate = Emulation(float(em["slowdown"]), float(em["memory_gib"]))
-    precision = Precision(**raw.get("precision", {}))
-    for key in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
-        if float(raw[key]) <= 0:
-            raise ConfigError(f"{where}: {key} must be positive, got {raw[key]!r}")
-    if int(raw["chips_per_node"]) < 1:
-        raise ConfigError(f"{where}: chips_per_node must be >= 1")
+        emulate = Emulation(slowdown, _positive(em, "memory_gib", f"{where}: [emulate]", "GiB"))
+    precision = _precision(raw, where)
+    units = {"memory_gib": "GiB", "peak_tflops": "TFLOP/s", "intra_node_gbps": "GB/s", "inter_node_gbps": "GB/s"}
+    for key, unit in units.items():
+        _positive(raw, key, where, unit)
+    cpn = raw["chips_per_node"]
+    if not isinstance(cpn, int) or isinstance(cpn, bool) or cpn < 1:
+        raise ConfigError(f"{where}: chips_per_node must be an integer >= 1, got {cpn!r}")
+    for key in ("platform", "source"):
+        if not isinstance(raw[key], str) or not raw[key]:
+            raise ConfigError(f"{where}: {key} must be a non-empty string, got {raw[key]!r}")
     return ChipType(
-        name=str(raw.get("name", name)),
+        name=name,
         platform=str(raw["platform"]),
         memory_gib=float(raw["memory_gib"]),
         peak_tflops=float(raw["peak_tflops"]),
@@ -106,7 +165,7 @@ def chip_from_dict(name: str, raw: Mapping[str, Any], where: str) -> ChipType:
         intra_node_gbps=float(raw["intra_node_gbps"]),
         inter_node_gbps=float(raw["inter_node_gbps"]),
         source=str(raw["source"]),
-        plugin=dict(raw.get("plugin", {})),
+        plugin=dict(_table(raw, "plugin", where, None)),
         emulate=emulate,
         precision=precision,
     )
@@ -115,14 +174,18 @@ def chip_from_dict(name: str, raw: Mapping[str, Any], where: str) -> ChipType:
 def load_chip(name: str, directory: Path | None = None) -> ChipType:
     """Read backends/<name>.toml; an unknown name lists the known chip types."""
     directory = directory or backends_dir()
+    check_chip_name(name, "chip")
     path = directory / f"{name}.toml"
     if not path.is_file():
         raise ConfigError(
             f"unknown chip type {name!r}: no file {path}; known chip types: "
             f"{', '.join(known_chips(directory)) or '(none)'}"
         )
-    with path.open("rb") as f:
-        raw = tomllib.load(f)
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"chip file {path} is not valid TOML: {e}") from None
     return chip_from_dict(name, raw, where=str(path))
 
 
@@ -234,8 +297,9 @@ def cluster_from_dict(raw: Mapping[str, Any], where: str, directory: Path | None
                 if key == "chips_per_node":
                     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                         raise ConfigError(f"{gw}.chips_per_node must be an integer >= 1, got {value!r}")
-                elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                    raise ConfigError(f"{gw}.{key} must be a positive number (GB/s per chip), got {value!r}")
+                elif (not isinstance(value, (int, float)) or isinstance(value, bool)
+                      or not math.isfinite(value) or value <= 0):
+                    raise ConfigError(f"{gw}.{key} must be a positive, finite number (GB/s per chip), got {value!r}")
                 overrides[key] = type(getattr(chip, key))(value)
         if overrides:
             chip = dataclasses.replace(
@@ -283,7 +347,7 @@ def load_cluster(path: str | Path, directory: Path | None = None) -> Cluster:
     try:
         with path.open("rb") as f:
             raw = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"cluster file {path} is not valid TOML: {e}") from None
     raw.setdefault("name", path.stem)
     return cluster_from_dict(raw, where=str(path), directory=directory)

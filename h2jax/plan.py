@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from h2jax.cluster import load_chip
+from h2jax.cluster import check_chip_name, load_chip
 from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
 
 FORMAT_VERSION = 1
 SCHEDULES = ("1f1b", "gpipe")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "sgd")
+# numpy's and JAX's seeds both take an unsigned 32-bit integer without loss.
+MAX_SEED = 2**32 - 1
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -184,6 +189,7 @@ def _parse_stage(raw: Any, i: int) -> Stage:
         raise PlanError(f"{where}: unknown field(s) {unknown}; known fields: {sorted(known)}")
     if "chip" not in raw:
         raise PlanError(f"{where}.chip is missing; name a chip type from backends/, e.g. \"cpu\"")
+    check_chip_name(raw["chip"], f"{where}.chip")
     mesh_raw = raw.get("mesh", {"data": 1, "tensor": 1})
     if not isinstance(mesh_raw, Mapping) or set(mesh_raw) - {"data", "tensor"}:
         raise PlanError(f"{where}.mesh must be an object {{\"data\": d, \"tensor\": t}}, got {mesh_raw!r}")
@@ -267,6 +273,14 @@ def _parse_hosts(raw: Any, where: str, size: int, processes: int) -> tuple[HostS
     return tuple(slots)
 
 
+def _check_number(value: Any, field: str) -> None:
+    """A finite JSON number: refuses strings, booleans, NaN and infinity by name."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise PlanError(f"{field} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise PlanError(f"{field} must be a finite number, got {value!r}")
+
+
 def _parse_optimizer(raw: Any) -> Optimizer:
     if raw is None:
         return Optimizer()
@@ -276,13 +290,22 @@ def _parse_optimizer(raw: Any) -> Optimizer:
     unknown = sorted(set(raw) - fields)
     if unknown:
         raise PlanError(f"optimizer: unknown field(s) {unknown}; known fields: {sorted(fields)}")
+    for key in ("learning_rate", "weight_decay", "b1", "b2", "eps", "clip_norm"):
+        if key in raw and not (key == "clip_norm" and raw[key] is None):
+            _check_number(raw[key], f"optimizer.{key}")
     opt = Optimizer(**raw)
-    if opt.name not in OPTIMIZERS:
+    if not isinstance(opt.name, str) or opt.name not in OPTIMIZERS:
         raise PlanError(f"optimizer.name {opt.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
     if not opt.learning_rate > 0:
         raise PlanError(f"optimizer.learning_rate must be positive, got {opt.learning_rate!r}")
     if opt.clip_norm is not None and not opt.clip_norm > 0:
         raise PlanError("optimizer.clip_norm must be positive, or null to disable clipping")
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(opt, key) < 1:
+            raise PlanError(f"optimizer.{key} must be in [0, 1) (a moment's decay rate), got {getattr(opt, key)!r}")
+    for key in ("eps", "weight_decay"):
+        if getattr(opt, key) < 0:
+            raise PlanError(f"optimizer.{key} must be >= 0, got {getattr(opt, key)!r}")
     if not isinstance(opt.shard_over_data, bool):
         raise PlanError(f"optimizer.shard_over_data must be true or false, got {opt.shard_over_data!r}")
     return opt
@@ -309,6 +332,23 @@ def parse_train(raw: Any, where: str = "train") -> Train:
     if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not 0 <= frac <= 1:
         raise PlanError(f"{where}.final_lr_fraction must be in [0, 1], got {train.final_lr_fraction!r}")
     return train
+
+
+def _check_predicted(predicted: Any, n_stages: int) -> None:
+    """The planner's figures that tools read back: per-stage lists with one number per stage."""
+    if not isinstance(predicted, Mapping):
+        raise PlanError("predicted must be an object (written by `h2jax plan`); drop the field to re-plan")
+    for key in ("memory_gib", "memory_capacity_gib"):
+        values = predicted.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, (list, tuple)) or len(values) != n_stages:
+            raise PlanError(
+                f"predicted.{key} must be a list of {n_stages} numbers (one per stage), got {values!r}; "
+                "drop the field or re-plan with `h2jax plan`"
+            )
+        for i, v in enumerate(values):
+            _check_number(v, f"predicted.{key}[{i}]")
 
 
 def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
@@ -339,15 +379,15 @@ def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule {schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
     seed = raw.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise PlanError(f"seed must be an integer, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise PlanError(f"seed must be an integer in [0, 2**32 - 1], got {seed!r}")
     stages_raw = raw.get("stages")
     if not isinstance(stages_raw, (list, tuple)) or not stages_raw:
         raise PlanError("stages must be a non-empty list of stages in pipeline order")
     stages = tuple(_parse_stage(s, i) for i, s in enumerate(stages_raw))
     predicted = raw.get("predicted")
-    if predicted is not None and not isinstance(predicted, Mapping):
-        raise PlanError("predicted must be an object (written by `h2jax plan`)")
+    if predicted is not None:
+        _check_predicted(predicted, len(stages))
     plan = Plan(
         model=model,
         seq_len=seq_len,
@@ -448,9 +488,13 @@ def load_plan(path: str | Path) -> Plan:
     if not path.is_file():
         raise PlanError(f"plan file {path} does not exist")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise PlanError(f"plan file {path} is not UTF-8 text (byte {e.start}): write it as UTF-8 JSON") from None
     except json.JSONDecodeError as e:
         raise PlanError(f"plan file {path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise PlanError(f"plan file {path} nests JSON too deeply to be a plan; a plan is at most a few levels deep") from None
     try:
         return plan_from_dict(raw)
     except TypeError as e:  # e.g. a wrong keyword inside a nested object
@@ -458,8 +502,17 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    """Write atomically: a reader never sees a half-written plan."""
+    """Write atomically: a reader never sees a half-written plan, and concurrent writers each
+    write their own uniquely named temporary file (the last rename wins). A missing parent
+    directory is created."""
     path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
-    tmp.replace(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(plan.to_dict(), indent=2) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the plan from the other ranks' users
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -71,9 +71,13 @@ class TokenDataset:
     def __init__(self, path: str | Path, seq_len: int, seed: int = 0):
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"token file {self.path} does not exist")
+            raise DataError(
+                f"--data {self.path} does not exist; give a token file or a directory from "
+                "`h2jax data prepare`, or leave --data out to train on the Python standard library's source"
+            )
+        # Checked before mapping: numpy cannot map an empty file.
+        _check_length(self.path.stat().st_size, seq_len, f"--data token file {self.path}")
         self.tokens = np.memmap(self.path, dtype=np.uint8, mode="r")
-        _check_length(len(self.tokens), seq_len, f"token file {self.path}")
         self.seq_len, self.seed = seq_len, seed
         self._stream = _Stream([self.tokens], 0, len(self.tokens))
 
