@@ -165,14 +165,14 @@ def assign_hosts(plan, cluster):
             )
         per = _per_process(stage.mesh.size, stage.mesh.tensor, group.chip.chips_per_node)
         slots = []
+        left = sum(len(ids) for ids in free[stage.chip].values())
         for _ in range(stage.mesh.size // per):
             host = next((h for h, ids in free[stage.chip].items() if len(ids) >= per), None)
             if host is None:
-                left = sum(len(ids) for ids in free[stage.chip].values())
                 raise ConfigError(
                     f"stages[{i}] needs {stage.mesh.size} {stage.chip} chips in processes of {per}, "
-                    f"but the group's hosts have only {left} chips left ({len(group.hosts)} hosts x "
-                    f"{group.chip.chips_per_node} chips_per_node); list more hosts"
+                    f"but the group's hosts have {left} chips left for it ({len(group.hosts)} hosts x "
+                    f"{group.chip.chips_per_node} chips_per_node, earlier stages placed first); list more hosts"
                 )
             ids, free[stage.chip][host] = free[stage.chip][host][:per], free[stage.chip][host][per:]
             slots.append(HostSlot(host, tuple(ids)))
