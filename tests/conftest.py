@@ -4,6 +4,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -51,6 +52,17 @@ def token_file(tmp_path_factory):
     from h2jax.data import synthetic_dataset
 
     return synthetic_dataset(tmp_path_factory.mktemp("data") / "tokens.u8", seq_len=16).path
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkout_env(env: dict) -> dict:
+    """`env` for a process the tests launch (mpiexec ranks, `python -m h2jax`): the checkout
+    under test first on PYTHONPATH, so a rank imports this tree's h2jax, not whichever one
+    is installed (an editable install may point at another clone)."""
+    paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def skip_if_fewer_devices(n: int):

@@ -20,7 +20,7 @@ from h2jax.config import ConfigError
 from h2jax.plan import PlanError
 from h2jax.transport.mpi import _flat_offset, _is_contiguous, aligned_empty, choose_path, mpi_world_size
 from h2jax.transport.multihost import role_for_rank
-from tests.conftest import TEST_XLA_FLAGS
+from tests.conftest import TEST_XLA_FLAGS, checkout_env
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
 MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
@@ -29,7 +29,7 @@ MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec"
 def mpiexec(n: int, script: str, *args: str, timeout: float = 90, env: dict | None = None):
     if not Path(MPIEXEC).exists():
         pytest.skip("mpiexec not found (pip install mpich)")
-    full_env = {**os.environ, **(env or {})}
+    full_env = checkout_env({**os.environ, **(env or {})})  # every rank imports this checkout
     # Each rank sets its own device count; the ranks compile with the tests' fast flags.
     full_env["XLA_FLAGS"] = TEST_XLA_FLAGS
     t0 = time.monotonic()
@@ -116,15 +116,16 @@ def _expected_checks(stage, n_stages, schedules=2, steps=2, micro=3):
 
 @pytest.mark.mpi
 def test_two_stages_differing_meshes_zero_copy_both_ways():
-    reports = _toy("2x1,1x2", "1,1", "gpipe,1f1b", "auto")
+    reports = _toy("2x1,1x4", "1,1", "gpipe,1f1b", "auto")
     shape_bytes = 8 * 4 * 16 * 4
+    receiving_devices = {0: 2 * 1, 1: 1 * 4}  # each device of the receiving mesh adopts its own block
     for r in reports:
         assert r["path"] == "direct"
         assert r["checked"] == _expected_checks(r["stage"], 2)
         # Every message moved the activation exactly once, and nothing was copied.
         assert r["bytes_received"] == r["recvs"] * shape_bytes
         assert r["send_buffers_copied"] == 0 and r["recv_buffers_copied"] == 0
-        assert r["recv_buffers_adopted"] == r["recvs"] * (2 if r["stage"] == 0 else 2)
+        assert r["recv_buffers_adopted"] == r["recvs"] * receiving_devices[r["stage"]]
 
 
 @pytest.mark.mpi
@@ -233,7 +234,7 @@ def test_h2jax_run_refuses_a_process_count_the_plan_does_not_expect(tmp_path):
     save_plan(plan, tmp_path / "plan.json")
     # `python -m h2jax` is the `h2jax` script's entry point, and runs from a checkout too
     # (PYTHONPATH=., no install), where no script exists beside the interpreter.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = checkout_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "h2jax", "run", "--plan", str(tmp_path / "plan.json")],
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2

@@ -72,8 +72,10 @@ class StageExecutor:
     def __init__(
         self, plan: Plan, index: int, devices: list, *, precision=None, param_dtype=None,
         compute_dtype=None, clock: StageClock | None = None, check_memory: bool = True,
+        attention: str | None = None,
     ):
-        """Numerics default to the stage chip's [precision] policy; `clock` (see
+        """Numerics default to the stage chip's [precision] policy and the attention kernel to
+        its [kernels] choice (`attention`: one of h2jax.config.ATTENTION_KERNELS); `clock` (see
         h2jax.runtime.emulation) times each compute. The steps are compiled before anything
         is allocated and, with `check_memory`, a stage that does not fit its chip is refused."""
         stage = plan.stages[index]
@@ -83,6 +85,7 @@ class StageExecutor:
         precision = numerics.matmul_precision if precision is None else precision
         self.param_dtype = _dtype(param_dtype or numerics.param_dtype)
         self.compute_dtype = _dtype(compute_dtype or numerics.compute_dtype)
+        self.attention = attention or self.chip.attention_kernel
         self.boundary_dtype = _dtype(boundary_dtype(plan))
         self.clock = clock
         self.is_first, self.is_last = index == 0, index == plan.n_stages - 1
@@ -95,6 +98,7 @@ class StageExecutor:
             return StageModel(
                 cfg, start, end, plan.seed,
                 dtype=self.param_dtype, precision=precision, remat_policy=policy,
+                attention=self.attention,
             )
 
         self.graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
