@@ -19,7 +19,9 @@ import json
 import os
 import sys
 
+import h2jax
 from h2jax.plan import plan_from_dict
+from h2jax.runtime import ranks
 from h2jax.transport import mpi
 
 
@@ -43,7 +45,7 @@ def main() -> int:
                         choices=mpi.PATHS)
     args = parser.parse_args()
     plan = mixed_plan(args.gpu_chip)
-    role = mpi.configure_process_for_plan(plan)  # before JAX starts: this rank's platform only
+    role = ranks.configure_process_for_plan(plan)  # before JAX starts: this rank's platform only
 
     import jax
     from mpi4py import MPI
@@ -53,7 +55,7 @@ def main() -> int:
     from h2jax.runtime.train import default_dataset
 
     comm = MPI.COMM_WORLD
-    result = mpi.run_mpi(plan, args.steps, path=args.path)
+    result = h2jax.run(plan, args.steps, mpi_path=args.path)
     me = {
         "rank": comm.rank, "stage": role.stage, "chip": plan.stages[role.stage].chip,
         "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],

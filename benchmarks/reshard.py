@@ -38,12 +38,13 @@ def main() -> int:
     args = parser.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))
 
-    from h2jax.transport import multihost
-    from h2jax.transport.mpi import MPITransport, install_abort_on_error, mpi_world_size
+    from h2jax.runtime.jaxsetup import configure_jax
+    from h2jax.runtime.ranks import install_abort_on_error, mpi_world_size
+    from h2jax.transport.mpi import MPITransport
 
     if mpi_world_size() == 1:
         return relaunch_under_mpiexec()
-    multihost.configure_jax("cpu", max(max(p) for p in PAIRS))  # before JAX starts
+    configure_jax("cpu", max(max(p) for p in PAIRS))  # before JAX starts
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -68,7 +69,7 @@ def main() -> int:
         x = jax.device_put(x_host, layout).block_until_ready() if rank == 0 else None
         row = {"tensor_src": t_src, "tensor_dst": t_dst, "activation_bytes": nbytes}
         for mode in ("topology", "broadcast"):
-            transport = MPITransport(processes=[1, 1], reshard_mode=mode, barrier=False)
+            transport = MPITransport([1, 1], reshard_mode=mode)
             transport.connect(shape, np.float32, {rank: layout})
             times = []
             for rep in range(args.repeats + 1):  # the first is a warm-up

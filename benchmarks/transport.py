@@ -56,12 +56,13 @@ def main() -> int:
                              "host buffers get transparent huge pages like numpy's")
     args = parser.parse_args()
 
-    from h2jax.transport import multihost
-    from h2jax.transport.mpi import MPITransport, aligned_empty, install_abort_on_error, mpi_world_size
+    from h2jax.runtime.jaxsetup import configure_jax
+    from h2jax.runtime.ranks import install_abort_on_error, mpi_world_size
+    from h2jax.transport.mpi import MPITransport, aligned_empty
 
     if mpi_world_size() == 1:
         return relaunch_under_mpiexec(args.hugepages)
-    multihost.configure_jax("cpu", 1)  # before JAX starts
+    configure_jax("cpu", 1)  # before JAX starts
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -76,7 +77,7 @@ def main() -> int:
     rank = comm.rank
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
     layout = NamedSharding(mesh, P("data", None, "tensor"))
-    transports = {p: MPITransport(processes=[1, 1], path=p) for p in ("direct", "staged")}
+    transports = {p: MPITransport([1, 1], path=p) for p in ("direct", "staged")}
 
     sizes = [4096 << (2 * i) for i in range(12) if (4096 << (2 * i)) <= args.max_mib * MIB]
 

@@ -18,8 +18,8 @@ import pytest
 
 from h2jax.config import ConfigError
 from h2jax.plan import PlanError
-from h2jax.transport.mpi import _flat_offset, _is_contiguous, aligned_empty, choose_path, mpi_world_size
-from h2jax.transport.multihost import role_for_rank
+from h2jax.runtime.ranks import mpi_world_size, role_for_rank
+from h2jax.transport.mpi import _flat_offset, _is_contiguous, aligned_empty, choose_path
 from tests.conftest import TEST_XLA_FLAGS, checkout_env
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"

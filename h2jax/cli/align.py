@@ -11,7 +11,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from h2jax.cli._jaxsetup import force_cpu_devices
+from h2jax.runtime.jaxsetup import force_cpu_devices
 from h2jax.cli.progress import training_progress
 from h2jax.cluster import load_chip
 

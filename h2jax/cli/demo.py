@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from h2jax.cli._jaxsetup import force_cpu_devices
+from h2jax.runtime.jaxsetup import force_cpu_devices
 from h2jax.cli.progress import training_progress
 from h2jax.cli.show import plan_table
 from h2jax.cluster import REPO_ROOT, load_cluster

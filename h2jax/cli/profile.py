@@ -9,7 +9,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from h2jax.cli._jaxsetup import force_cpu_devices
+from h2jax.runtime.jaxsetup import force_cpu_devices
 from h2jax.cluster import load_chip
 from h2jax.config import ConfigError, get_config
 

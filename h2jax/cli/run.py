@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from h2jax.cli._jaxsetup import force_cpu_devices
 from h2jax.cli.progress import training_progress
 from h2jax.plan import load_plan
 
@@ -18,6 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--unpipelined", action="store_true",
                    help="run the same model on the same data as one jitted function on one device")
     p.add_argument("--json", action="store_true", help="print one final JSON line instead of a progress bar")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace of the measured run (open in ui.perfetto.dev); "
+                        "the same tracks as `h2jax simulate --trace`")
     p.set_defaults(func=main)
 
 
@@ -25,18 +28,22 @@ def main(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # validates before JAX starts
     if args.steps < 1:
         raise SystemExit("h2jax run: error: --steps must be >= 1")
-    from h2jax.transport.mpi import runner_for_process
+    from h2jax.runtime import ranks
+    from h2jax.runtime.train import run
 
-    # Under mpiexec this configures the rank for its own stage only; else forces CPU devices.
-    run, reports = runner_for_process(plan, force_cpu_devices)
+    # One loop in one process and under mpiexec; only the job's first process reports.
+    reports = not ranks.in_mpi_job() or ranks.mpi_rank() == 0
     from h2jax.data import TokenDataset
 
     dataset = TokenDataset(args.data, plan.seq_len, plan.seed) if args.data else None
     n_chips = 1 if args.unpipelined else plan.n_devices
     with training_progress(args.steps, plan.tokens_per_step, n_chips, enabled=not args.json and reports) as on_step:
-        result = run(plan, args.steps, dataset=dataset, unpipelined=args.unpipelined, on_step=on_step)
+        result = run(plan, args.steps, dataset=dataset, unpipelined=args.unpipelined, on_step=on_step,
+                     trace=args.trace)
     if not reports:  # another MPI rank prints
         return 0
+    if args.trace:
+        print(f"measured trace written to {args.trace} (open it in ui.perfetto.dev)", file=sys.stderr)
     if args.json:
         print(json.dumps(result.summary()))
     else:

@@ -41,6 +41,7 @@ class StageClock:
         self._input_at = 0.0  # arrival of the input the next compute consumes
         self.measured_s = 0.0  # host compute seconds, summed (reset by the caller)
         self.busy_s = 0.0  # emulated seconds, summed
+        self.last_interval = (0.0, 0.0)  # (start, end) of the latest compute, emulated
 
     def arrive(self, t: float) -> None:
         self._input_at = max(self._input_at, t)
@@ -53,6 +54,7 @@ class StageClock:
         start = max(t0, self.free_at, self._input_at)
         self._input_at = 0.0
         self.free_at = start + self.slowdown * elapsed
+        self.last_interval = (start, self.free_at)
         self.measured_s += elapsed
         self.busy_s += self.slowdown * elapsed
         if not self.defer:
@@ -103,6 +105,12 @@ class ClockedTransport(Transport):
 
     def share_from_stage(self, stage, values):
         return self.inner.share_from_stage(stage, values)
+
+    def gather_to_first(self, value):
+        return self.inner.gather_to_first(value)
+
+    def describe(self) -> dict:
+        return self.inner.describe()
 
     def flush(self) -> None:
         self.inner.flush()

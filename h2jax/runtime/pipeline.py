@@ -50,8 +50,10 @@ def receive_tag(stage: int, action: sched.Action) -> Tag | None:
 
 
 class Pipeline:
-    def __init__(self, plan: Plan, transport: Transport, executors: dict[int, StageExecutor]):
-        self.plan, self.transport, self.executors = plan, transport, executors
+    """`tracer` (h2jax.runtime.tracing.StepTracer), when given, records every action."""
+
+    def __init__(self, plan: Plan, transport: Transport, executors: dict[int, StageExecutor], tracer=None):
+        self.plan, self.transport, self.executors, self.tracer = plan, transport, executors, tracer
         self.schedule = sched.build(plan.schedule, plan.n_stages, plan.n_micro)
         first = next(iter(executors.values()))
         shape = (plan.micro_batch, plan.seq_len, plan.model.d_model)
@@ -92,18 +94,38 @@ class Pipeline:
         return run.ex.is_last and sched.backward_follows(run.actions, run.pos)
 
     def _execute(self, run: _StageRun, inputs, labels) -> None:
+        if self.tracer is None:
+            self._run_action(run, inputs, labels)
+            return
+        a, t0 = run.actions[run.pos], self.tracer.now()
+        computed = self._run_action(run, inputs, labels)
+        ex, args = run.ex, {"micro": a.micro}
+        if computed is not None:
+            interval = ex.clock.last_interval if ex.clock is not None else None
+            self.tracer.compute(ex.index, computed[0], t0, computed[1], args, interval)
+        elif a.kind in (sched.RECV_ACT, sched.RECV_GRAD):
+            self.tracer.comm(ex.index, f"{a.kind}{a.micro}", t0, self.tracer.now(), args)
+        else:
+            self.tracer.comm(ex.index, f"{a.kind}{a.micro}", t0, t0, args)
+
+    def _run_action(self, run: _StageRun, inputs, labels):
+        """Runs the stage's next action; for a compute returns (its name in a trace, the
+        arrays it produced), else None."""
         a = run.actions[run.pos]
         ex, k, i = run.ex, a.micro, run.ex.index
+        computed = None
         if a.kind == sched.F and self._backward_follows(run):
             x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k))
             run.losses[k], dx = ex.forward_backward(x, ex.put_labels(labels[k]), self._loss_cotangent)
             if not ex.is_first:
                 run.outbox[GRAD, k] = dx
+            computed = (f"F{k}+B{k}", (run.losses[k], dx, ex.grad_acc))
             run.pos += 1  # the B action just ran too
         elif a.kind == sched.F:
             x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k))
             y = ex.put_labels(labels[k]) if ex.is_last else None
             out, run.saved[k] = ex.forward(x, y)
+            computed = (f"F{k}", out)
             if ex.is_last:
                 run.losses[k] = out
             else:
@@ -111,6 +133,7 @@ class Pipeline:
         elif a.kind == sched.B:
             dy = self._loss_cotangent if ex.is_last else run.inbox.pop((GRAD, k))
             dx = ex.backward(run.saved.pop(k), dy)
+            computed = (f"B{k}", (dx, ex.grad_acc))
             if not ex.is_first:
                 run.outbox[GRAD, k] = dx
         elif a.kind == sched.SEND_ACT:
@@ -121,6 +144,7 @@ class Pipeline:
             tag = run.pending_tag()
             run.inbox[tag.kind, k] = self.transport.recv(tag)
         run.pos += 1
+        return computed
 
     def _finish(self, runs: list[_StageRun]) -> float:
         # All processes of a stage compute its norm (a collective over the stage's mesh); only
@@ -132,7 +156,11 @@ class Pipeline:
                 sq[r.ex.index] = norm
         global_norm = float(np.sqrt(self.transport.sum_across_stages(sq)))
         for r in runs:
+            t0 = self.tracer.now() if self.tracer is not None else 0.0
             r.ex.update(global_norm)
+            if self.tracer is not None:
+                interval = r.ex.clock.last_interval if r.ex.clock is not None else None
+                self.tracer.compute(r.ex.index, "optimizer", t0, r.ex.params, None, interval)
         last = self.plan.n_stages - 1
         local_losses = None
         for r in runs:

@@ -72,6 +72,15 @@ class Transport(abc.ABC):
         """`values` computed on `stage` (e.g. the last stage's losses) made known to every
         process; processes that do not run `stage` pass None."""
 
+    def gather_to_first(self, value) -> list | None:
+        """Every process's `value` (small, picklable), as a list on the job's first process
+        and None on the others (one process: `[value]`)."""
+        return [value]
+
+    def describe(self) -> dict:
+        """What the transport did (kind, path, counters), for logs and reports."""
+        return {}
+
     def flush(self) -> None:
         """Wait until every send this process started has completed."""
 

@@ -1,6 +1,7 @@
 """The MPI transport: each stage in its own process(es), boundary arrays moved by mpi4py.
 
-Launch: `mpiexec -n K h2jax run --plan FILE` where K = sum of `stages[i].processes`.
+It moves arrays and a few scalars, nothing else: which rank runs which stage, start-up and
+failure handling live in `h2jax.runtime.ranks`.
 
 - Zero-copy sends. Every addressable shard of a boundary array goes to MPI as a buffer without
   a copy: for host memory through a DLPack view (`np.from_dlpack`); for accelerator memory the
@@ -18,8 +19,6 @@ Launch: `mpiexec -n K h2jax run --plan FILE` where K = sum of `stages[i].process
 - Topology-aware resharding (`reshard.reshard_plan`): each receiving device gets only its own
   block, pieces cut with MPI subarray datatypes straight out of the sender's shard and into the
   receiver's buffer.
-- Failure: `install_abort_on_error` makes an uncaught exception in any process print once and
-  `Abort` the whole job, so nothing hangs.
 """
 
 from __future__ import annotations
@@ -27,10 +26,6 @@ from __future__ import annotations
 import collections
 import os
 import sys
-import threading
-import time
-import traceback
-from contextlib import contextmanager
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -38,201 +33,28 @@ import numpy as np
 from h2jax.config import ConfigError
 from h2jax.transport import reshard
 from h2jax.transport.base import ACT, GRAD, Tag, Transport
-from h2jax.transport.multihost import ProcessRole, first_ranks, role_for_rank
 
 PATHS = ("auto", "direct", "staged")
 ALIGN = 64  # jax.dlpack.from_dlpack(copy=False) adopts only 64-byte aligned host buffers
-_ENV_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS_WORLD")
-_ENV_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
 
-# ----------------------------------------------------------------------------- process set-up
+# ----------------------------------------------------------------------------- ranks
 
 
-def mpi_world_size() -> int:
-    """How many processes `mpiexec` started, read from the launcher's environment without
-    starting MPI (1 when not launched by mpiexec)."""
-    for key in _ENV_SIZE:
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 1
+def first_ranks(processes: Sequence[int]) -> tuple[int, ...]:
+    """The first rank of each stage when stage i owns `processes[i]` consecutive ranks (the
+    job's rank order: `mpiexec` ranks fill stages in pipeline order)."""
+    out, r = [], 0
+    for p in processes:
+        out.append(r)
+        r += p
+    return tuple(out)
 
 
-def mpi_rank() -> int:
-    """This process's rank, from the launcher's environment (0 when not under mpiexec)."""
-    for key in _ENV_RANK:
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
-
-
-def _comm_world():
+def comm_world():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
-
-
-def init_mpi(timeout_s: float | None = None):
-    """Start MPI (importing mpi4py.MPI does) and return COMM_WORLD. MPI_Init waits for every
-    rank of the job; if one never gets there, exit non-zero instead of hanging. The watchdog
-    is faulthandler's C thread: MPI_Init holds the GIL, so no Python timer could fire."""
-    if "mpi4py.MPI" in sys.modules:
-        return _comm_world()
-    import faulthandler
-
-    timeout_s = default_startup_timeout() if timeout_s is None else timeout_s
-    faulthandler.dump_traceback_later(timeout_s, exit=True)  # prints where it hung, _exit(1)
-    try:
-        return _mpi_init_waits_for_every_rank_of_the_job()
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-
-
-def _mpi_init_waits_for_every_rank_of_the_job():
-    # Named for the traceback the watchdog prints when a rank never starts.
-    return _comm_world()
-
-
-def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) -> ProcessRole:
-    """Everything a process of an MPI run does before JAX starts: check the process count
-    against the plan, make any exception abort the job, configure JAX for this process's
-    stage (platform, device count, the stage's jax.distributed group) and meet the other
-    ranks at a start-up barrier. Returns this process's role."""
-    from h2jax.cluster import load_chip
-    from h2jax.transport import multihost
-
-    comm = init_mpi(startup_timeout_s)
-    try:
-        role = role_for_rank(multihost.plan_processes(plan), comm.rank, comm.size)
-    except ConfigError:
-        if comm.rank == 0:  # every rank finds the same mismatch; one says so
-            raise
-        sys.exit(2)
-    install_abort_on_error(comm, label=f"rank {role.rank} (stage {role.stage})")
-    startup_barrier(comm, startup_timeout_s, describe=lambda r: _describe_rank(role, r))
-    stage = plan.stages[role.stage]
-    group = comm.Split(color=role.stage, key=role.rank)
-    multihost.configure_jax(
-        load_chip(stage.chip).platform,
-        stage.mesh.size // stage.processes,
-        group=group,
-        stage_size=role.stage_size,
-        stage_rank=role.stage_rank,
-        local_device_ids=multihost.stage_local_device_ids(plan, role),
-    )
-    group.Free()
-    global _role
-    _role = role
-    return role
-
-
-def _describe_rank(role: ProcessRole, rank: int) -> str:
-    stage = max(i for i, start in enumerate(role.first_rank) if start <= rank)
-    return f"rank {rank} (stage {stage})"
-
-
-def default_startup_timeout() -> float:
-    return float(os.environ.get("H2JAX_MPI_STARTUP_TIMEOUT", "120"))
-
-
-class MPIStartupError(RuntimeError):
-    """A rank of the job did not arrive; the message names it."""
-
-
-def startup_barrier(comm, timeout_s: float | None = None, describe=lambda r: f"rank {r}") -> None:
-    """A barrier that gives up after `timeout_s` with an error naming the ranks that never
-    arrived (rank 0 names them; the others wait a little longer so its message comes first).
-    Point-to-point only, on tags at the top of the tag space: a collective (even creating a
-    communicator) would itself hang on the missing rank."""
-    from mpi4py import MPI
-
-    timeout_s = default_startup_timeout() if timeout_s is None else timeout_s
-    hello = int(comm.Get_attr(MPI.TAG_UB))
-    go = hello - 1
-    if comm.rank == 0:
-        pending = {r: comm.irecv(source=r, tag=hello) for r in range(1, comm.size)}
-        deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            pending = {r: q for r, q in pending.items() if not q.Test()}
-            time.sleep(0.001)
-        if pending:
-            missing = ", ".join(describe(r) for r in sorted(pending))
-            raise MPIStartupError(
-                f"start-up barrier: {missing} did not arrive within {timeout_s:g} s; it may have "
-                "failed, or be stuck initializing its backend "
-                "(raise H2JAX_MPI_STARTUP_TIMEOUT if it is merely slow)"
-            )
-        for r in range(1, comm.size):
-            comm.send(True, dest=r, tag=go)
-    else:
-        comm.send(comm.rank, dest=0, tag=hello)
-        release = comm.irecv(source=0, tag=go)
-        deadline = time.monotonic() + timeout_s + 3.0
-        while not release.Test():
-            if time.monotonic() > deadline:
-                raise MPIStartupError(f"start-up barrier: {describe(0)} never released the barrier")
-            time.sleep(0.001)
-
-
-_hook_installed = False
-_aborting = False
-
-
-def install_abort_on_error(comm=None, label: str | None = None) -> None:
-    """Make an uncaught exception (in any thread) print once, labelled with this rank, and
-    abort the whole MPI job, so the other ranks do not wait forever on a dead peer."""
-    global _hook_installed
-    if _hook_installed:
-        return
-    comm = comm or _comm_world()
-    label = label or f"rank {comm.rank}"
-
-    def abort(exc_type, exc, tb, code=1):
-        global _aborting
-        if _aborting:  # already reported; MPI_Abort may return before the launcher kills us
-            os._exit(code)
-        _aborting = True
-        if isinstance(exc, (ConfigError, MPIStartupError)):  # one line, as the CLI prints it
-            text = f"h2jax [{label}]: error: {exc}\n"
-        else:
-            text = f"h2jax [{label}] failed; aborting the MPI job:\n" + "".join(
-                traceback.format_exception(exc_type, exc, tb)
-            )
-        try:
-            sys.stderr.write(text)
-            sys.stderr.flush()
-            sys.stdout.flush()
-        finally:
-            comm.Abort(code)
-            os._exit(code)
-
-    sys.excepthook = abort
-    threading.excepthook = lambda a: abort(a.exc_type, a.exc_value, a.exc_traceback)
-    _hook_installed = True
-
-
-@contextmanager
-def abort_on_failure(comm=None, label: str | None = None):
-    """`with abort_on_failure(): ...` aborts the job on an exception raised inside, and on a
-    non-zero `SystemExit` (a rank that returns an error code would otherwise leave the others
-    blocked in MPI)."""
-    comm = comm or _comm_world()
-    label = label or f"rank {comm.rank}"
-    try:
-        yield
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            code = e.code if isinstance(e.code, int) else 1
-            if not isinstance(e.code, int):
-                sys.stderr.write(f"{e.code}\n")
-            sys.stderr.flush()
-            comm.Abort(code)
-            os._exit(code)
-        raise
-    except BaseException as e:  # noqa: BLE001 - every failure must take the job down
-        install_abort_on_error(comm, label)
-        sys.excepthook(type(e), e, e.__traceback__)
-        raise
 
 
 # ----------------------------------------------------------------------------- path selection
@@ -242,7 +64,7 @@ def mpi_memory_kinds(comm=None) -> set[str]:
     """Memory kinds the MPI library accepts in messages (MPI 4.1 `mpi_memory_alloc_kinds`,
     e.g. {'mpi', 'system', 'cuda'}); $H2JAX_MPI_MEMORY_KINDS adds kinds by hand."""
     kinds: set[str] = set()
-    comm = comm or _comm_world()
+    comm = comm or comm_world()
     try:
         info = comm.Get_info()
         value = info.Get("mpi_memory_alloc_kinds") or ""
@@ -409,17 +231,14 @@ class _Route:
 class MPITransport(Transport):
     """Moves boundary arrays between stages that live in different MPI processes.
 
-    `processes[i]` is how many ranks stage i has (a plan's `stages[i].processes`); give either
-    a plan or `processes`. `path` picks zero-copy (`direct`), host staging (`staged`) or the
-    best the backend and MPI allow (`auto`). `reshard="broadcast"` swaps in the naive plan,
-    for benchmarks only. Construction is collective (all ranks), as is `connect`.
+    `processes[i]` is how many ranks stage i has; stage i owns the `processes[i]` ranks after
+    those of stages < i. `path` picks zero-copy (`direct`), host staging (`staged`) or the
+    best the backend and MPI allow (`auto`). `reshard_mode="broadcast"` swaps in the naive
+    plan, for benchmarks only. Construction is collective (all ranks), as is `connect`.
     """
 
-    def __init__(self, plan=None, *, processes: Sequence[int] | None = None, path: str = "auto",
-                 comm=None, reshard_mode: str = "topology", startup_timeout_s: float | None = None,
-                 barrier: bool = True):
-        if (plan is None) == (processes is None):
-            raise ValueError("give MPITransport either a plan or processes=[...]")
+    def __init__(self, processes: Sequence[int], *, path: str = "auto", comm=None,
+                 reshard_mode: str = "topology"):
         if path not in PATHS:
             raise ConfigError(f"transport path {path!r} is unknown; use one of {', '.join(PATHS)}")
         if reshard_mode not in ("topology", "broadcast"):
@@ -428,11 +247,13 @@ class MPITransport(Transport):
 
         self._MPI = MPI
         world = comm or MPI.COMM_WORLD
-        processes = [s.processes for s in plan.stages] if plan is not None else list(processes)
-        self.role = role_for_rank(processes, world.rank, world.size)
+        processes = list(processes)
+        if sum(processes) != world.size:
+            raise ValueError(f"stages with {processes} processes need {sum(processes)} ranks, not {world.size}")
+        self.first_rank = first_ranks(processes)
+        self.rank = world.rank
+        self.stage = max(i for i, r in enumerate(self.first_rank) if r <= world.rank and processes[i] > 0)
         self.n_stages = len(processes)
-        if barrier:
-            startup_barrier(world, startup_timeout_s, describe=lambda r: _describe_rank(self.role, r))
         self.comm = world.Dup()  # our own context: no clash with anyone else's messages
         self.requested_path, self.path, self.path_reason = path, None, None
         self.reshard_mode = reshard_mode
@@ -449,19 +270,15 @@ class MPITransport(Transport):
 
     # -- set-up
 
-    @property
-    def stage(self) -> int:
-        return self.role.stage
-
     def connect(self, boundary_shape, dtype, layouts: Mapping[int, object]) -> None:
         import jax
 
         shape = tuple(int(n) for n in boundary_shape)
         dtype = np.dtype(dtype)
         if self.stage not in layouts:
-            raise ValueError(f"connect() on rank {self.role.rank} needs the layout of its stage {self.stage}")
+            raise ValueError(f"connect() on rank {self.rank} needs the layout of its stage {self.stage}")
         sharding = layouts[self.stage]
-        first = self.role.first_rank[self.stage]
+        first = self.first_rank[self.stage]
         mine = reshard.Layout.from_sharding(sharding, owner=lambda d: first + d.process_index)
         platform = next(iter(sharding.mesh.devices.flat)).platform
         gathered = self.comm.allgather((self.stage, shape, dtype.str, mine, platform))
@@ -491,14 +308,14 @@ class MPITransport(Transport):
                 src, dst = layouts_by_stage[s], layouts_by_stage[d]
                 transfers = plan_fn(src, dst, shape, dtype.itemsize)
                 self._routes[(kind, b)] = _Route(
-                    transfers, src, dst, src.owners, dst.owners, shape, dtype, self.role.rank,
+                    transfers, src, dst, src.owners, dst.owners, shape, dtype, self.rank,
                     self.reshard_mode == "broadcast",
                 )
 
     def describe(self) -> dict:
         """The path taken and why, for logs and benchmark reports."""
         return {"transport": "mpi", "path": self.path, "requested": self.requested_path,
-                "why": self.path_reason, "reshard": self.reshard_mode, "rank": self.role.rank,
+                "why": self.path_reason, "reshard": self.reshard_mode, "rank": self.rank,
                 "stage": self.stage, **self.stats}
 
     def _tag(self, tag: Tag) -> int:
@@ -516,7 +333,7 @@ class MPITransport(Transport):
             return self._routes[(tag.kind, tag.boundary)]
         except KeyError:
             raise ValueError(
-                f"rank {self.role.rank} (stage {self.stage}) takes no part in {tag}; call connect() "
+                f"rank {self.rank} (stage {self.stage}) takes no part in {tag}; call connect() "
                 "first, and move only messages of the process's own stage"
             ) from None
 
@@ -676,10 +493,14 @@ class MPITransport(Transport):
 
     def share_from_stage(self, stage: int, values: list[float] | None) -> list[float]:
         self._progress(block=True)
-        root = self.role.first_rank[stage]
+        root = self.first_rank[stage]
         if self.comm.rank == root and values is None:
             raise ValueError(f"rank {root} leads stage {stage} and must pass its values")
         return list(self.comm.bcast(values if self.comm.rank == root else None, root=root))
+
+    def gather_to_first(self, value) -> list | None:
+        self._progress(block=True)
+        return self.comm.gather(value, root=0)
 
     def barrier(self) -> None:
         self._progress(block=True)
@@ -705,86 +526,6 @@ class MPITransport(Transport):
             self.comm = None
 
 
-# ----------------------------------------------------------------------------- a whole run
-
-
-_role: ProcessRole | None = None
-
-
-def process_role(plan) -> ProcessRole:
-    """This process's role, configuring it for `plan` on first use (before JAX starts)."""
-    global _role
-    if _role is None:
-        _role = configure_process_for_plan(plan)
-    return _role
-
-
-def gather_stage_params(params: dict) -> dict:
-    """A stage's flat {name: array} as numpy; a stage spanning several processes gathers its
-    shards over its own jax.distributed group first."""
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        params = multihost_utils.process_allgather(params, tiled=True)
-    return {k: np.asarray(v) for k, v in params.items()}
-
-
-def runner_for_process(plan, local_setup):
-    """(run function, whether this process reports progress) for `h2jax run`.
-
-    Under mpiexec: configure this rank for its stage now (before JAX starts) and return
-    `run_mpi`; only rank 0 reports. Otherwise call `local_setup(plan.n_devices)` (e.g. force
-    that many CPU devices) and return the single-process `h2jax.runtime.train.run`."""
-    if mpi_world_size() > 1:
-        role = process_role(plan)
-        return run_mpi, role.rank == 0
-    local_setup(plan.n_devices)
-    from h2jax.runtime.train import run
-
-    return run, True
-
-
-def run_mpi(plan, steps: int = 10, *, dataset=None, on_step=None, return_params: bool = False,
-            path: str | None = None, transport: "MPITransport | None" = None, unpipelined: bool = False):
-    """`h2jax.runtime.train.run` for a process of an `mpiexec` job: configures the process
-    for its stage (if not done yet), builds only that stage, and trains it with the other
-    ranks through an MPITransport (`path`: auto, direct or staged; default $H2JAX_MPI_PATH,
-    else auto). Returns a RunResult (losses are known on every rank; `params` holds this
-    process's stage)."""
-    path = path or os.environ.get("H2JAX_MPI_PATH", "auto")
-    if unpipelined:
-        raise ConfigError("--unpipelined runs the whole model in one process; launch it without mpiexec")
-    role = process_role(plan)
-    with abort_on_failure(label=f"rank {role.rank} (stage {role.stage})"):
-        return _run_stage(plan, role, steps, dataset, on_step, return_params, path, transport)
-
-
-def _run_stage(plan, role, steps, dataset, on_step, return_params, path, transport):
-    from h2jax.runtime.train import RunResult, Trainer, default_dataset, train
-    from h2jax.sharding import flatten_params
-    from h2jax.transport.multihost import stage_mesh_devices
-
-    transport = transport or MPITransport(plan, path=path, barrier=False)
-    stage = plan.stages[role.stage]
-    devices = list(stage_mesh_devices(stage.mesh.data, stage.mesh.tensor).reshape(-1))
-    trainer = Trainer(plan, transport, stages=[role.stage], devices={role.stage: devices})
-    dataset = dataset or default_dataset(plan)
-    losses, times, norms = train(
-        trainer.step, plan, dataset, steps, on_step=on_step,
-        grad_norm=lambda: trainer.pipeline.last_grad_norm,
-    )
-    params = None
-    if return_params:
-        ex = trainer.executors[role.stage]
-        params = gather_stage_params(flatten_params(ex.params))
-    result = RunResult(losses, times, plan.tokens_per_step, plan.n_devices, params, norms)
-    result.transport = transport.describe()
-    transport.flush()
-    return result
-
-
 def _host_view(array) -> np.ndarray:
     """A zero-copy numpy view of a single-device CPU jax.Array: through DLPack, or for dtypes
     DLPack does not carry (bfloat16) through the buffer's address, as same-width integers
@@ -804,8 +545,4 @@ def _aligned_copy(host: np.ndarray) -> np.ndarray:
     return out
 
 
-__all__ = [
-    "MPITransport", "mpi_world_size", "configure_process_for_plan", "install_abort_on_error",
-    "abort_on_failure", "startup_barrier", "choose_path", "aligned_empty", "first_ranks",
-    "run_mpi", "process_role",
-]
+__all__ = ["MPITransport", "choose_path", "aligned_empty", "first_ranks"]

@@ -15,10 +15,11 @@ import time
 import numpy as np
 
 from h2jax.plan import plan_from_dict
+from h2jax.runtime import ranks
 from h2jax.transport import mpi
 
 mode, bad = sys.argv[1], int(sys.argv[2])
-rank = mpi.mpi_rank()
+rank = ranks.mpi_rank()
 plan = plan_from_dict({
     "format_version": 1, "model": "tiny", "seq_len": 4, "global_batch": 2, "micro_batch": 2,
     "stages": [{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [0, 2]},
@@ -27,9 +28,9 @@ plan = plan_from_dict({
 if mode == "early" and rank == bad:
     time.sleep(60)
 if mode == "late" and rank == bad:
-    mpi.init_mpi()
+    ranks.init_mpi()
     time.sleep(60)
-role = mpi.configure_process_for_plan(plan)
+role = ranks.configure_process_for_plan(plan)
 
 import jax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
@@ -37,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from h2jax.transport.base import ACT, GRAD, Tag  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
-transport = mpi.MPITransport(plan, barrier=False)
+transport = mpi.MPITransport(ranks.plan_processes(plan))
 transport.connect((2, 4, 64), np.float32, {role.stage: NamedSharding(mesh, P("data", None, "tensor"))})
-with mpi.abort_on_failure():
+with ranks.abort_on_failure():
     if rank == bad:
         time.sleep(0.5)  # let the others block first
         if mode == "exit":

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from h2jax.plan import plan_from_dict
+from h2jax.runtime import ranks
 from h2jax.transport import mpi
 
 meshes = [tuple(int(v) for v in m.split("x")) for m in sys.argv[1].split(",")]
@@ -36,7 +37,7 @@ plan = plan_from_dict({
         for i, ((d, t), p) in enumerate(zip(meshes, processes))
     ],
 })
-role = mpi.configure_process_for_plan(plan)  # before JAX starts
+role = ranks.configure_process_for_plan(plan)  # before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -45,7 +46,7 @@ from mpi4py import MPI  # noqa: E402
 
 from h2jax import schedule as sched  # noqa: E402
 from h2jax.transport.base import ACT, GRAD, Tag  # noqa: E402
-from h2jax.transport.multihost import stage_mesh_devices  # noqa: E402
+from h2jax.runtime.jaxsetup import stage_mesh_devices  # noqa: E402
 
 s = role.stage
 data, tensor = meshes[s]
@@ -80,7 +81,7 @@ def check(array, want, what):
         np.testing.assert_array_equal(got, want[shard.index], err_msg=what)
 
 
-transport = mpi.MPITransport(plan, path=path, barrier=False)
+transport = mpi.MPITransport(ranks.plan_processes(plan), path=path)
 transport.connect(SHAPE, jnp.dtype(DTYPE), {s: layout})
 checked = 0
 for name in schedules:

@@ -11,12 +11,13 @@ import sys
 
 import numpy as np
 
+import h2jax
 from h2jax.plan import load_plan
-from h2jax.transport import mpi
+from h2jax.runtime import ranks
 
 out, steps, path, plan_files = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 plans = [load_plan(p) for p in plan_files]
-role = mpi.configure_process_for_plan(plans[0])  # before JAX starts
+role = ranks.configure_process_for_plan(plans[0])  # before JAX starts
 if os.environ.get("H2JAX_TEST_JAX_CACHE"):  # the test session's persistent compilation cache
     import jax
 
@@ -27,7 +28,7 @@ from mpi4py import MPI  # noqa: E402
 
 comm = MPI.COMM_WORLD
 for i, plan in enumerate(plans):
-    result = mpi.run_mpi(plan, steps, return_params=True, path=path)
+    result = h2jax.run(plan, steps, return_params=True, mpi_path=path)
     params = comm.gather(result.params if role.stage_rank == 0 else {}, root=0)
     reports = comm.gather(result.transport, root=0)
     if comm.rank == 0:
