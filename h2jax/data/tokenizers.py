@@ -79,7 +79,9 @@ class HFTokenizer:
         self.eot_text, self.eot_id = eot, vocab[eot]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        encs = self.tok.encode_batch(texts, add_special_tokens=False)
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets: ~20 % less time.
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        encs = encode(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
 
     def decode(self, ids) -> str:

@@ -7,12 +7,20 @@ Notation (docs/planner.md has the same equations with the reasoning):
     n = (b / D) * s                     tokens per device per micro-batch
     P_mm = d*h*e + 2*d*g*e + h*e*d + 3*d*F   matmul parameters of one layer
 
-Per layer and device, forward FLOPs are  n * (2*P_mm + 4*s*h*e) / T  (the attention scores
-QK^T and AV are counted over the full s x s square, which is what a masked XLA attention
-computes). The backward costs twice the forward; of it, the weight-gradient share is
-n * 2*P_mm / T. Recomputation adds work to the backward: `full` adds a whole forward,
-`selective` (Korthikanti et al. 2022: recompute the attention core only) adds n*4*s*h*e/T.
-Time = FLOPs / (peak * efficiency(n, d/T)), with
+Per layer and device, forward FLOPs are  n * (2*P_mm + 4*k*h*e) / T,  k the keys each query
+is multiplied with by the chip's attention kernel (chip.attention_kernel): the full square
+k = s for the explicit XLA path and the blocked kernel (a masked matmul computes every score),
+k = causal_keys_per_query(s, 128) ~ (s + 128)/2 for cuDNN's flash kernel, which skips the
+tiles above the diagonal. The matmuls' backward costs twice their forward, the attention
+core's ATTENTION_BACKWARD[kernel] times its forward: 2 for XLA (four matmuls), 2.5 for cuDNN
+(FlashAttention-2 recomputes QK^T: five), 3 for blocked (each block's forward re-run, then
+four). The weight-gradient share is n * 2*P_mm / T. Recomputation adds work to the backward:
+`full` adds a whole forward, `selective` (Korthikanti et al. 2022: recompute the attention
+core only) adds the attention core's forward. Kernels that put the scores in memory (XLA,
+blocked) also move them through HBM: n*h*s*(8 + 2a)/T bytes per forward (f32 logits written
+and read, probabilities in the compute dtype written and read), the backward the same
+multiple of that as of the FLOPs, at the HBM bandwidth below (peak / MACHINE_BALANCE).
+Time = FLOPs / (peak * efficiency(n, d/T)) + score bytes / HBM bandwidth, with
 
     efficiency(n, w) = E_MAX * n/(n + N_HALF) * w/(w + W_HALF)
 
@@ -61,7 +69,7 @@ import dataclasses
 from typing import Mapping
 
 from h2jax.cluster import ChipType, Cluster
-from h2jax.config import ConfigError, ModelConfig
+from h2jax.config import CUDNN_TILE, ConfigError, ModelConfig, causal_keys_per_query
 from h2jax.plan import Optimizer, Plan
 from h2jax.planner import memory_model as mm
 from h2jax.planner.profile import Profile
@@ -102,8 +110,24 @@ def matmul_params(model: ModelConfig) -> int:
     return d * model.n_heads * e + 2 * d * model.n_kv_heads * e + model.n_heads * e * d + 3 * d * model.d_ff
 
 
-def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    return 4.0 * seq_len * model.n_heads * model.head_dim
+# Backward FLOPs of the attention core as a multiple of its forward, per attention kernel.
+ATTENTION_BACKWARD = {"xla": 2.0, "cudnn": 2.5, "blocked": 3.0}
+
+
+def attention_flops_per_token(model: ModelConfig, seq_len: int, kernel: str = "xla") -> float:
+    """Forward FLOPs of the attention core (QK^T and AV) per token, as `kernel` computes them;
+    the default, the full square, is also the MFU convention."""
+    keys = causal_keys_per_query(seq_len, CUDNN_TILE) if kernel == "cudnn" else seq_len
+    return 4.0 * keys * model.n_heads * model.head_dim
+
+
+def attention_score_bytes_per_token(model: ModelConfig, seq_len: int, kernel: str, act_bytes: int) -> float:
+    """HBM bytes the attention core's forward moves for its scores per token: f32 logits and
+    probabilities in the compute dtype, each written and read once; none for cuDNN's flash
+    kernel, whose scores stay in on-chip memory."""
+    if kernel == "cudnn":
+        return 0.0
+    return model.n_heads * seq_len * (8.0 + 2.0 * act_bytes)
 
 
 def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -180,10 +204,14 @@ def stage_terms(
     tp_gbps = chip.intra_node_gbps if tensor <= chip.chips_per_node else chip.inter_node_gbps
     tp_ar = allreduce_s(tokens * d * act_bytes, tensor, tp_gbps)
 
+    kernel = chip.attention_kernel
+    hbm = chip.peak_tflops * 1e12 / MACHINE_BALANCE
     mm_flops = tokens * 2.0 * matmul_params(model) / tensor
-    attn_flops = tokens * attention_flops_per_token(model, seq_len) / tensor
+    attn_flops = tokens * attention_flops_per_token(model, seq_len, kernel) / tensor
+    attn_s = attn_flops / rate + tokens * attention_score_bytes_per_token(model, seq_len, kernel, act_bytes) / tensor / hbm
     fwd_flops = mm_flops + attn_flops
     recompute_flops = {"none": 0.0, "selective": attn_flops, "full": fwd_flops}[recompute]
+    recompute_s = {"none": 0.0, "selective": attn_s, "full": mm_flops / rate + attn_s}[recompute]
 
     entry = profile.lookup(chip.name, tensor, int(round(tokens)), recompute) if profile else None
     measured_act: int | None = None
@@ -197,8 +225,11 @@ def stage_terms(
         if entry.recompute == recompute:
             measured_act = entry.activation_bytes
     else:
-        fwd_layer = fwd_flops / rate + 2 * tp_ar
-        bwd_layer = (2.0 * fwd_flops + recompute_flops) / rate + (4 if recompute == "full" else 2) * tp_ar
+        fwd_layer = mm_flops / rate + attn_s + 2 * tp_ar
+        bwd_layer = (
+            2.0 * mm_flops / rate + ATTENTION_BACKWARD[kernel] * attn_s + recompute_s
+            + (4 if recompute == "full" else 2) * tp_ar
+        )
         bwd_weight_layer = mm_flops / rate
 
     fwd_end = bwd_end = bwd_weight_end = 0.0
@@ -217,7 +248,6 @@ def stage_terms(
     )
     dp_end = allreduce_s(GRAD_BYTES * end_params / tensor, data, dp_gbps)
     owned = tensor * (data if options.shard_optimizer else 1)
-    hbm = chip.peak_tflops * 1e12 / MACHINE_BALANCE
     opt_per_param = OPTIMIZER_BYTES_PER_PARAM[options.optimizer] / hbm / owned
     tail_layer = dp_layer + opt_per_param * model.layer_param_count()
     tail_end = dp_end + opt_per_param * end_params

@@ -22,6 +22,12 @@ activation bytes (the chip's compute dtype):
     selective:  n*a*(4d + ((h + 2g)*e + d + 3F)/T)         the attention core is recomputed
     full:       n*a*d                                      only the layer input is kept
 
+The h*s term is the explicit XLA attention's (chip.attention_kernel "xla"). A fused kernel
+never keeps the scores: under "none" the cuDNN flash kernel keeps one f32 log-sum-exp per
+head and token, n*4*h/T, instead of n*a*h*s/T; the blocked XLA kernel keeps nothing beyond
+q, k, v (already counted) and its working memory gains one block's f32 scores and
+probabilities, n*min(C, s)*h*8/T (C = config.ATTENTION_BLOCK query rows).
+
 A measured profile's `activation_bytes` replaces A(n) when it has the shape and policy.
 """
 
@@ -31,7 +37,7 @@ import dataclasses
 import math
 
 from h2jax.cluster import ChipType
-from h2jax.config import ModelConfig
+from h2jax.config import ATTENTION_BLOCK, ModelConfig
 
 GIB = 1024**3
 RESERVE_FRACTION = 0.10
@@ -49,16 +55,29 @@ def end_params(model: ModelConfig, first: bool, last: bool) -> int:
 
 
 def layer_activation_bytes(
-    model: ModelConfig, seq_len: int, tokens: float, tensor: int, recompute: str, act_bytes: int
+    model: ModelConfig, seq_len: int, tokens: float, tensor: int, recompute: str, act_bytes: int,
+    attention: str = "xla",
 ) -> float:
-    """A(n): bytes one layer keeps per device for one micro-batch; see the module docstring."""
+    """A(n): bytes one layer keeps per device for one micro-batch under the attention kernel
+    `attention` (config.ATTENTION_KERNELS); see the module docstring."""
     d, h, g, e, F = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff
     if recompute == "full":
         return tokens * act_bytes * d
     sharded = (h + 2 * g) * e + d + 3 * F
-    if recompute == "none":
+    if recompute == "none" and attention == "xla":
         sharded += h * seq_len
-    return tokens * act_bytes * (4 * d + sharded / tensor)
+    kept = tokens * act_bytes * (4 * d + sharded / tensor)
+    if recompute == "none" and attention == "cudnn":
+        kept += tokens * 4 * h / tensor
+    return kept
+
+
+def attention_working_bytes(model: ModelConfig, seq_len: int, tokens: float, tensor: int, attention: str) -> float:
+    """Transient bytes of the attention kernel beyond what a layer keeps: one block's f32 scores
+    and probabilities for the blocked kernel, else 0 (see the module docstring)."""
+    if attention != "blocked":
+        return 0.0
+    return tokens * min(ATTENTION_BLOCK, seq_len) * model.n_heads * 8 / tensor
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -131,13 +150,14 @@ def stage_memory_terms(
     )
     layer_static = model.layer_param_count() / tensor * per_param
     params_end = end_params(model, first, last) / tensor * per_param
+    kernel = chip.attention_kernel
     if measured_activation is not None:
         layer_act = float(measured_activation)
     else:
-        layer_act = layer_activation_bytes(model, seq_len, tokens, tensor, recompute, a)
-    working = 0.0
+        layer_act = layer_activation_bytes(model, seq_len, tokens, tensor, recompute, a, kernel)
+    working = attention_working_bytes(model, seq_len, tokens, tensor, kernel)
     if recompute != "none":
-        working += layer_activation_bytes(model, seq_len, tokens, tensor, "none", a)
+        working += layer_activation_bytes(model, seq_len, tokens, tensor, "none", a, kernel)
     if last:
         working += tokens * model.vocab_size / tensor * 4 * 2
     capacity = chip.usable_memory_gib * GIB
