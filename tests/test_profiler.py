@@ -61,14 +61,24 @@ def _scaled(profile: Profile, chip: str, factor: float) -> Profile:
     return dataclasses.replace(profile, chips=chips)
 
 
-def test_doubling_a_chips_measured_layer_time_shifts_layers_away_from_it(profile_file, tmp_path):
+def _injected_profile() -> Profile:
+    """Fixed per-layer costs for tiny at seq_len 16 (no measurement: the planner's answer must
+    not depend on how loaded the machine was when a profile was taken)."""
+    from h2jax.config import get_config
+
+    entries = tuple(ProfileEntry(tensor=1, tokens=16 * b, forward_s=1e-3 * b, backward_s=2e-3 * b) for b in (1, 2))
+    return Profile(model=get_config("tiny"), seq_len=16, chips={"emu-mid": entries}, source="injected",
+                   model_name="tiny")
+
+
+def test_doubling_a_chips_measured_layer_time_shifts_layers_away_from_it(tmp_path):
     cluster_file = tmp_path / "two.toml"
     cluster_file.write_text('[[group]]\nchip = "emu-mid"\ncount = 1\n\n[[group]]\nchip = "emu-slow"\ncount = 1\n')
     cluster = load_cluster(cluster_file)
-    measured = load_profile(profile_file)
-    # Both chip types with emu-mid's measured per-layer costs: equally fast per layer.
-    even = dataclasses.replace(measured, chips={"emu-mid": measured.chips["emu-mid"],
-                                                "emu-slow": measured.chips["emu-mid"]})
+    injected = _injected_profile()
+    # Both chip types with the same per-layer costs: equally fast per layer.
+    even = dataclasses.replace(injected, chips={"emu-mid": injected.chips["emu-mid"],
+                                                "emu-slow": injected.chips["emu-mid"]})
     kwargs = dict(micro_batches=(1,), recompute=("none",), baselines=False)
     base = plan_cluster(cluster, "tiny", 16, 8, profile=even, **kwargs).plan
     slower = plan_cluster(cluster, "tiny", 16, 8, profile=_scaled(even, "emu-mid", 2.0), **kwargs).plan
