@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -182,8 +183,9 @@ def check(plan, reports: Sequence[RankReport | None], **kw) -> None:
 def run_preflight(plan, rank: int, comm, *, setup_error: BaseException | None = None,
                   timeout_s: float | None = None) -> list[RankReport] | None:
     """Every rank sends its report to rank 0, which checks them all and raises a
-    PreflightError on a mismatch (the abort hook then stops the job); the other ranks wait
-    for rank 0's word. Returns the reports on rank 0."""
+    PreflightError on a mismatch; the other ranks wait for rank 0's word and, on a mismatch,
+    exit with status 2 without a word of their own (the launcher ends any rank that never
+    reported once one exits non-zero). Returns the reports on rank 0."""
     from mpi4py import MPI
 
     if timeout_s is None:
@@ -202,8 +204,8 @@ def run_preflight(plan, rank: int, comm, *, setup_error: BaseException | None = 
             if time.monotonic() > deadline:
                 raise PreflightError(f"pre-flight: rank 0 gave no verdict within {timeout_s:g} s")
             time.sleep(0.001)
-        if not ok:  # rank 0 is aborting the job with the error
-            time.sleep(timeout_s)
+        if not ok:  # rank 0 reports the mismatch; one error for the whole job
+            sys.exit(2)
         return None
     reports: list[RankReport | None] = [report] + [None] * (comm.size - 1)
     pending = {r: comm.irecv(source=r, tag=tag) for r in range(1, comm.size)}
@@ -224,8 +226,6 @@ def run_preflight(plan, rank: int, comm, *, setup_error: BaseException | None = 
         raise
     for r in range(1, comm.size):
         comm.send(True, dest=r, tag=tag - 1)
-    import sys
-
     print(table(plan, reports), file=sys.stderr, flush=True)
     return reports
 
