@@ -220,3 +220,106 @@ def test_each_preflight_mismatch_is_one_error_naming_rank_and_host(report, messa
 def test_preflight_names_a_host_that_does_not_resolve():
     with pytest.raises(ConfigError, match=r"rank 1 .* on host g1: host 'g1' named by stages\[1\]\.hosts does not resolve"):
         check(_two_stage_plan(), GOOD, resolve=_resolve({"n1": "10.9.0.1"}))
+
+
+# ----------------------------------------------------------------------------- real jobs
+
+
+def _env(**extra):
+    from tests.conftest import TEST_XLA_FLAGS, checkout_env
+
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "XLA_FLAGS": TEST_XLA_FLAGS,
+           "H2JAX_MPI_STARTUP_TIMEOUT": "60", **extra}
+    for key in [k for k in env if k.startswith(("SLURM_", "PMI_", "OMPI_"))]:
+        del env[key]
+    return checkout_env(env)
+
+
+def _launch(plan_path, *args, env=None, timeout=600):
+    """`h2jax launch --plan PLAN -- python -m h2jax run --plan PLAN ARGS` (the module form runs
+    from a checkout on PYTHONPATH too, where no `h2jax` script exists)."""
+    if not (BIN / "mpiexec").exists():
+        pytest.skip("mpiexec not found (pip install mpich)")
+    run = [sys.executable, "-m", "h2jax", "run", "--plan", str(plan_path), *args]
+    return subprocess.run([sys.executable, "-m", "h2jax", "launch", "--plan", str(plan_path), "--", *run],
+                          capture_output=True, text=True, timeout=timeout, env=env or _env())
+
+
+ALIASES = '[[group]]\nchip = "cpu"\nchips_per_node = 1\nhosts = ["127.0.0.[2-4]"]\n'
+# stage 1 on an "H100 node": the cpu group keeps .2 and .4
+WITH_H100 = ('[[group]]\nchip = "cpu"\nchips_per_node = 1\nhosts = ["127.0.0.2", "127.0.0.4"]\n\n'
+             '[[group]]\nchip = "nvidia-h100"\nchips_per_node = 1\nhosts = ["127.0.0.3"]\n')
+
+
+def _alias_plan(tmp_path, chips=("cpu", "cpu", "cpu"), cluster=ALIASES):
+    """A 3-stage plan placed by the cluster file on host aliases of this machine."""
+    (tmp_path / "cluster.toml").write_text(cluster)
+    plan = _plan([{"chip": c, "layers": [i, i + 1]} for i, c in enumerate(chips)])
+    return assign_hosts(plan, load_cluster(tmp_path / "cluster.toml"))
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_three_stages_on_three_host_aliases_train_like_one_process(tmp_path):
+    from h2jax.runtime.train import run
+
+    plan = _alias_plan(tmp_path)
+    assert [p.host for p in placements(plan)] == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    save_plan(plan, tmp_path / "plan.json")
+    proc = _launch(tmp_path / "plan.json", "--steps", "2", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "-launcher fork" in proc.stderr  # every host is this machine: hydra forks, no ssh
+    table = proc.stderr[proc.stderr.index("pre-flight: 3 rank(s) match the plan"):].splitlines()[2:5]
+    for rank, line in enumerate(table):  # rank, stage, chip, planned host, host hydra placed it on
+        cells = line.split()
+        assert cells[:5] == [str(rank), str(rank), "cpu", f"127.0.0.{rank + 2}", f"127.0.0.{rank + 2}"]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    local = run(plan, 2)
+    np.testing.assert_allclose(got["losses"], local.losses, rtol=1e-5)
+    assert got["losses"][0] != got["losses"][1]
+
+
+def _preflight_error(proc, *parts):
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if "pre-flight:" in l]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for part in parts:
+        assert part in lines[0], lines[0]
+
+
+@pytest.mark.mpi
+def test_preflight_stops_a_rank_on_the_wrong_platform(tmp_path):
+    from h2jax.backends import installed_platforms
+
+    if "cuda" in installed_platforms():
+        pytest.skip("this machine has the CUDA plugin: a cuda stage is on the right platform here")
+    plan = _alias_plan(tmp_path, ("cpu", "nvidia-h100", "cpu"), WITH_H100)
+    assert [p.host for p in placements(plan)] == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    save_plan(plan, tmp_path / "plan.json")
+    proc = _launch(tmp_path / "plan.json", timeout=180)
+    _preflight_error(proc, "rank 1 (stage 1, nvidia-h100) on host 127.0.0.3", "platform 'cuda'")
+
+
+@pytest.mark.mpi
+def test_preflight_stops_a_host_that_does_not_resolve(tmp_path):
+    plan = _alias_plan(tmp_path)
+    raw = plan.to_dict()
+    raw["stages"][2]["hosts"][0]["host"] = "no-such-host.invalid"
+    save_plan(plan_from_dict(raw), tmp_path / "plan.json")
+    # Not every host is this machine now, so `h2jax launch` leaves hydra's ssh launcher on;
+    # HYDRA_LAUNCHER=fork starts the unresolvable "host" here so that its rank reports in.
+    proc = _launch(tmp_path / "plan.json", env=_env(HYDRA_LAUNCHER="fork"), timeout=180)
+    _preflight_error(proc, "rank 2 (stage 2, cpu) on host no-such-host.invalid",
+                     "host 'no-such-host.invalid' named by stages[2].hosts does not resolve")
+
+
+@pytest.mark.mpi
+def test_preflight_stops_ranks_started_on_other_hosts_than_the_plan_names(tmp_path):
+    plan = _alias_plan(tmp_path)
+    save_plan(plan, tmp_path / "plan.json")
+    (tmp_path / "swapped").write_text("127.0.0.3:1\n127.0.0.2:1\n127.0.0.4:1\n")
+    proc = subprocess.run(
+        [str(BIN / "mpiexec"), "-launcher", "fork", "-f", str(tmp_path / "swapped"), "-n", "3",
+         sys.executable, "-m", "h2jax", "run", "--plan", str(tmp_path / "plan.json")],
+        capture_output=True, text=True, timeout=180, env=_env())
+    _preflight_error(proc, "rank 0 (stage 0, cpu) on host 127.0.0.3: the plan puts it on '127.0.0.2'")

@@ -19,7 +19,8 @@ import pytest
 from h2jax.config import ConfigError
 from h2jax.plan import PlanError
 from h2jax.runtime.ranks import mpi_world_size, role_for_rank
-from h2jax.transport.mpi import _flat_offset, _is_contiguous, aligned_empty, choose_path
+from h2jax.transport import reshard
+from h2jax.transport.mpi import _flat_offset, _is_contiguous, _runs, aligned_empty, choose_path
 from tests.conftest import TEST_XLA_FLAGS, checkout_env
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
@@ -71,6 +72,37 @@ def test_contiguity_decides_between_a_byte_run_and_a_subarray_datatype(index, co
         np.testing.assert_array_equal(flat.reshape(-1)[start : start + n], flat[index].reshape(-1))
 
 
+def _selected_bytes(index, shape, itemsize):
+    """Byte offsets `index` selects in a C-ordered buffer, in order (the numpy oracle)."""
+    elements = np.arange(int(np.prod(shape))).reshape(shape)[index].reshape(-1)
+    return (elements[:, None] * itemsize + np.arange(itemsize)).reshape(-1)
+
+
+def _bytes_of_runs(offset, run, repeats):
+    """The byte offsets a datatype of `run`-byte runs repeated by `repeats` (inner first) reads."""
+    starts = np.array([offset])
+    for count, stride in repeats:
+        starts = (np.arange(count)[:, None] * stride + starts[None, :]).reshape(-1)
+    return (starts[:, None] + np.arange(run)).reshape(-1)
+
+
+def test_pieces_become_runs_that_read_exactly_the_selected_bytes():
+    # Every sub-box of small 1-4-d arrays: the runs an MPI datatype is built from read the
+    # bytes numpy's slicing selects, in the same order, as few and as long as possible.
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        shape = tuple(int(n) for n in rng.integers(1, 5, size=rng.integers(1, 5)))
+        index = tuple(slice(int(a), int(b) + 1) for a, b in (sorted(rng.integers(0, n, size=2)) for n in shape))
+        itemsize = int(rng.choice([1, 2, 4]))
+        offset, run, repeats = _runs(index, shape, itemsize)
+        np.testing.assert_array_equal(_bytes_of_runs(offset, run, repeats), _selected_bytes(index, shape, itemsize))
+        assert all(count > 1 for count, _ in repeats)
+        assert all(stride > run for count, stride in repeats[:1])  # a run never continues into the next
+        assert _is_contiguous(index, shape) is (not repeats)
+    # A tensor-parallel column block of a [batch, seq, d_model] shard: one vector of row runs.
+    assert _runs((slice(0, 2), slice(0, 4), slice(4, 8)), (2, 4, 16), 4) == (16, 16, [(8, 64)])
+
+
 def test_path_choice_and_reasons():
     assert choose_path("auto", "cpu", {"mpi", "system"})[0] == "direct"
     assert choose_path("staged", "cpu", set())[0] == "staged"
@@ -101,12 +133,56 @@ def test_world_size_comes_from_the_launcher_environment(monkeypatch):
 # ----------------------------------------------------------------------------- under mpiexec
 
 
-def _toy(meshes, processes, schedules, path, dtype="float32"):
+def _toy(meshes, processes, schedules, path, dtype="float32", assembly="fast"):
     n = sum(int(p) for p in processes.split(","))
-    proc, _ = mpiexec(n, "toy_pipeline.py", meshes, processes, schedules, path, dtype)
+    proc, _ = mpiexec(n, "toy_pipeline.py", meshes, processes, schedules, path, dtype, assembly)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("TOY-OK "))
     return json.loads(line[len("TOY-OK "):])
+
+
+TOY_SHAPE = (8, 4, 16)
+
+
+def _is_strided(index, block):
+    """Whether the piece `index` of `block` is more than one run of the block's memory."""
+    flat = np.arange(int(np.prod(reshard.shape_of(block)))).reshape(reshard.shape_of(block))
+    return bool(np.any(np.diff(flat[reshard.relative(index, block)].reshape(-1)) != 1))
+
+
+def _planned(reports, itemsize=4):
+    """Per rank, from the stages' layouts and `reshard_plan` alone: bytes and strided pieces it
+    sends and receives per message, summed over its routes (each route carries the same
+    number of messages), and how many routes it sends and receives on."""
+    layouts = {r["stage"]: reshard.Layout(r["layout"][0], r["layout"][1], owners=tuple(r["layout"][2])) for r in reports}
+    out = {r["rank"]: dict(bytes_sent=0, bytes_received=0, strided_sent=0, strided_received=0,
+                           send_routes=0, recv_routes=0) for r in reports}
+    for b in range(len(layouts) - 1):
+        for s, d in ((b, b + 1), (b + 1, b)):  # ACT, GRAD
+            src, dst = layouts[s], layouts[d]
+            for rank in {*src.owners}:
+                out[rank]["send_routes"] += 1
+            for rank in {*dst.owners}:
+                out[rank]["recv_routes"] += 1
+            for t in reshard.reshard_plan(src, dst, TOY_SHAPE, itemsize):
+                sender, receiver = out[src.owner(t.src_pos)], out[dst.owner(t.dst_pos)]
+                sender["bytes_sent"] += t.nbytes
+                receiver["bytes_received"] += t.nbytes
+                sender["strided_sent"] += _is_strided(t.index, src.block(t.src_pos, TOY_SHAPE))
+                receiver["strided_received"] += _is_strided(t.index, dst.block(t.dst_pos, TOY_SHAPE))
+    return out
+
+
+def _assert_counters_follow_the_plan(reports, itemsize=4):
+    planned = _planned(reports, itemsize)
+    for r in reports:
+        p = planned[r["rank"]]
+        sends, recvs = r["sends"] / p["send_routes"], r["recvs"] / p["recv_routes"]
+        assert r["bytes_sent"] == sends * p["bytes_sent"], (r, p)
+        assert r["bytes_received"] == recvs * p["bytes_received"], (r, p)  # as MPI reported it
+        assert r["send_pieces_strided"] == sends * p["strided_sent"], (r, p)
+        assert r["recv_pieces_strided"] == recvs * p["strided_received"], (r, p)
+    return planned
 
 
 def _expected_checks(stage, n_stages, schedules=2, steps=2, micro=3):
@@ -125,18 +201,50 @@ def test_two_stages_differing_meshes_zero_copy_both_ways():
         # Every message moved the activation exactly once, and nothing was copied.
         assert r["bytes_received"] == r["recvs"] * shape_bytes
         assert r["send_buffers_copied"] == 0 and r["recv_buffers_copied"] == 0
+        assert r["send_copy_bytes"] == 0 and r["recv_copy_bytes"] == 0
         assert r["recv_buffers_adopted"] == r["recvs"] * receiving_devices[r["stage"]]
+        assert r["assembly"] == "xla_client.batched_device_put"
+    planned = _assert_counters_follow_the_plan(reports)
+    # Stage 0's (data=2) shards go to a (tensor=4) mesh as column blocks: strided pieces, all
+    # read by MPI straight out of the JAX buffers (zero copies above), none packed.
+    by_stage = {r["stage"]: r for r in reports}
+    assert planned[by_stage[0]["rank"]]["strided_sent"] == 8 and by_stage[0]["send_pieces_strided"] > 0
+
+
+@pytest.mark.mpi
+def test_public_jax_assembly_adopts_the_same_buffers():
+    reports = _toy("2x1,1x2", "1,1", "gpipe", "auto", "float32", "public")
+    for r in reports:
+        assert r["assembly"] == "make_array_from_callback"
+        assert r["checked"] == _expected_checks(r["stage"], 2, schedules=1)
+        assert r["recv_buffers_copied"] == 0 and r["recv_buffers_adopted"] == r["recvs"] * 2
+    _assert_counters_follow_the_plan(reports)
+
+
+@pytest.mark.mpi
+def test_a_receive_never_waits_on_the_compute_behind_queued_sends():
+    proc, _ = mpiexec(2, "recv_order.py", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("ORDER-OK "))
+    receiver = next(r for r in json.loads(line[len("ORDER-OK "):]) if r["stage"] == 1)
+    # 1. an arrived message is handed over with no wait at all
+    assert receiver["arrived_waited"] == 0 and receiver["arrived_naps"] == 0
+    # 2. and 3. the receives that did wait polled; the third opened its gate by polling
+    assert receiver["recvs_waited"] == 2
+    assert receiver["deadlock_gate_polls"] >= 5
+    assert receiver["recvs"] == 3 and receiver["sends"] == 3
 
 
 @pytest.mark.mpi
 def test_bfloat16_activations_cross_without_copies():
-    # DLPack carries no bfloat16: sends go out through the buffer's address instead, and
-    # receives are adopted by an aliasing device_put.
+    # Sends go out of the JAX buffer by its address and receives are adopted by PJRT as host
+    # buffers: bytes either way, so bfloat16 (which DLPack and numpy lack) crosses as is.
     reports = _toy("1x2,2x1", "1,1", "gpipe", "auto", "bfloat16")
     for r in reports:
         assert r["checked"] == _expected_checks(r["stage"], 2, schedules=1)
         assert r["bytes_received"] == r["recvs"] * 8 * 4 * 16 * 2
         assert r["send_buffers_copied"] == 0 and r["recv_buffers_copied"] == 0
+    _assert_counters_follow_the_plan(reports, itemsize=2)
 
 
 @pytest.mark.mpi
@@ -149,6 +257,7 @@ def test_four_ranks_with_a_two_process_data2_tensor2_stage():
     for r in reports:
         assert r["checked"] == _expected_checks(r["stage"], 3)
         assert r["recv_buffers_copied"] == 0
+    _assert_counters_follow_the_plan(reports)
     # Each process of the split stage receives only its own half of every activation.
     per_message = {r: by_rank[r]["bytes_received"] / by_rank[r]["recvs"] for r in range(4)}
     assert per_message == {0: 8 * 4 * 16 * 4, 1: 8 * 4 * 16 * 2, 2: 8 * 4 * 16 * 2, 3: 8 * 4 * 16 * 4}
@@ -161,7 +270,14 @@ def test_three_stages_host_staged_path_copies_every_buffer():
         assert r["path"] == "staged"
         assert r["checked"] == _expected_checks(r["stage"], 3)
         assert r["send_buffers_zero_copy"] == 0 and r["recv_buffers_adopted"] == 0
-        assert r["recv_buffers_copied"] > 0
+        # One copy per end: every byte sent was copied out of JAX once, every byte received
+        # copied into JAX once (no replicas here: each shard is sent whole).
+        devices = {0: 1, 1: 4, 2: 8}[r["stage"]]
+        assert r["send_buffers_copied"] == r["sends"] * devices
+        assert r["recv_buffers_copied"] == r["recvs"] * devices
+        assert r["send_copy_bytes"] == r["bytes_sent"] > 0
+        assert r["recv_copy_bytes"] == r["bytes_received"] > 0
+    _assert_counters_follow_the_plan(reports)
 
 
 @pytest.mark.mpi
@@ -196,29 +312,33 @@ def test_a_rank_that_never_starts_mpi_does_not_hang_the_others():
     assert "_mpi_init_waits_for_every_rank_of_the_job" in proc.stderr
 
 
-def test_receive_buffers_are_reused_only_once_jax_has_let_go():
+def test_receive_buffers_are_adopted_and_reused_only_once_jax_has_let_go():
     import gc
 
     import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from h2jax.transport.mpi import _BufferPool
+    from h2jax.transport.mpi import _batched_put, _BufferPool
 
     pool = _BufferPool()
-    buf = pool.take((256,), np.float32)
+    buf = pool.take((1, 4, 8), np.float32)
     ptr = buf.ctypes.data
-    assert pool.take((256,), np.float32).ctypes.data != ptr  # still held by its taker
-    for device in jax.devices()[:2]:  # adopted by DLPack on the first device, aliased after
-        try:
-            array = jax.dlpack.from_dlpack(buf, device=device, copy=False)
-        except ValueError:
-            array = jax.device_put(buf, device, may_alias=True)
-        assert array.unsafe_buffer_pointer() == ptr
-        del buf
-        other = pool.take((256,), np.float32)
+    assert pool.take((1, 4, 8), np.float32).ctypes.data != ptr  # still held by its taker
+    for device in jax.devices()[:2]:
+        sharding = NamedSharding(Mesh(np.array([[device]]), ("data", "tensor")), P("data", None, "tensor"))
+        put = _batched_put((1, 4, 8), np.float32, sharding, [device], copy=False)
+        buf[:] = np.arange(32).reshape(1, 4, 8)
+        array = put([buf])
+        assert array.sharding == sharding and array.addressable_data(0).unsafe_buffer_pointer() == ptr  # adopted
+        np.testing.assert_array_equal(np.asarray(array), np.arange(32).reshape(1, 4, 8))
+        copied = _batched_put((1, 4, 8), np.float32, sharding, [device], copy=True)([buf])
+        assert copied.addressable_data(0).unsafe_buffer_pointer() != ptr  # the staged path's one copy
+        del buf, copied
+        other = pool.take((1, 4, 8), np.float32)
         assert other.ctypes.data != ptr  # the jax.Array still uses that memory
         del array, other
         gc.collect()
-        buf = pool.take((256,), np.float32)
+        buf = pool.take((1, 4, 8), np.float32)
         assert buf.ctypes.data == ptr  # free again: reused, warm
 
 

@@ -126,7 +126,7 @@ def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) 
     against the plan, make any exception abort the job, configure JAX for this process's
     stage (platform, device count, the stage's jax.distributed group) and meet the other
     ranks at a start-up barrier. Returns this process's role."""
-    from h2jax.runtime import jaxsetup
+    from h2jax.runtime import jaxsetup, preflight
 
     comm = init_mpi(startup_timeout_s)
     try:
@@ -139,15 +139,21 @@ def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) 
     startup_barrier(comm, startup_timeout_s, describe=lambda r: _describe_rank(role, r))
     stage = plan.stages[role.stage]
     group = comm.Split(color=role.stage, key=role.rank)
-    jaxsetup.configure_jax(
-        stage.chip,
-        stage.mesh.size // stage.processes,
-        group=group,
-        stage_size=role.stage_size,
-        stage_rank=role.stage_rank,
-        local_device_ids=jaxsetup.stage_local_device_ids(plan, role),
-    )
+    setup_error = None
+    try:
+        jaxsetup.configure_jax(
+            stage.chip,
+            stage.mesh.size // stage.processes,
+            group=group,
+            stage_size=role.stage_size,
+            stage_rank=role.stage_rank,
+            local_device_ids=jaxsetup.stage_local_device_ids(plan, role),
+        )
+    except ConfigError as e:  # e.g. its platform is missing: the pre-flight names its host
+        setup_error = e
     group.Free()
+    # Before any compile: every rank's host, platform, devices and memory against the plan.
+    preflight.run_preflight(plan, role.rank, comm, setup_error=setup_error, timeout_s=startup_timeout_s)
     global _role
     _role = role
     return role

@@ -6,8 +6,10 @@ jitted on the stage's own mesh (the max is a collective over the whole mesh, acr
 in a multi-process stage). Inputs are small integers, so every value is exact in f32 and each
 received shard must equal the numpy oracle bit for bit.
 
-usage: mpiexec -n K python toy_pipeline.py MESHES PROCESSES SCHEDULES PATH [DTYPE]
+usage: mpiexec -n K python toy_pipeline.py MESHES PROCESSES SCHEDULES PATH [DTYPE [ASSEMBLY]]
        e.g. "2x1,1x2,2x2" "1,1,2" "gpipe,1f1b" auto
+ASSEMBLY `public` makes the transport assemble received arrays through public JAX only (as on
+a JAX without the PJRT call it prefers). Each rank's report carries its stage's layout.
 Rank 0 prints one line: TOY-OK {json}; any mismatch raises (and aborts the job).
 """
 
@@ -24,6 +26,8 @@ meshes = [tuple(int(v) for v in m.split("x")) for m in sys.argv[1].split(",")]
 processes = [int(p) for p in sys.argv[2].split(",")]
 schedules, path = sys.argv[3].split(","), sys.argv[4]
 DTYPE = sys.argv[5] if len(sys.argv) > 5 else "float32"  # bfloat16: keep to 2 stages (exact < 256)
+if len(sys.argv) > 6 and sys.argv[6] == "public":
+    mpi._batched_put = lambda *args: None
 N_MICRO, STEPS = 3, 2
 SHAPE = (8, 4, 16)  # [micro_batch, seq, d_model]
 n = len(meshes)
@@ -116,7 +120,8 @@ leaders = {s: float(s + 1)} if role.stage_rank == 0 else {}
 assert transport.sum_across_stages(leaders) == n * (n + 1) / 2
 shared = transport.share_from_stage(n - 1, [1.5, float(n)] if s == n - 1 else None)
 assert shared == [1.5, float(n)], shared
-report = dict(transport.describe(), checked=checked)
+mine = mpi.reshard.Layout.from_sharding(layout, owner=lambda d: role.first_rank[s] + d.process_index)
+report = dict(transport.describe(), checked=checked, layout=[mine.data, mine.tensor, list(mine.owners)])
 transport.close()
 reports = MPI.COMM_WORLD.gather(report, root=0)
 if role.rank == 0:
