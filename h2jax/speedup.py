@@ -19,6 +19,7 @@ as the paper's method, at a fixed baseline batch.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import re
 from typing import Any, Mapping
 
@@ -30,17 +31,23 @@ from h2jax.planner.profile import Profile
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
-def parse_tokens(text: str | int) -> int:
-    """'4M' -> 4 * 2**20 tokens (binary suffixes K, M, G, as batch sizes are quoted); '4194304' ok."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMG]?)i?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"token count {text!r} is not a number like 4194304 or 4M")
-    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
-    if value != int(value) or value < 1:
-        raise ConfigError(f"token count {text!r} must be a positive whole number of tokens")
-    return int(value)
+def parse_tokens(text: str | int, flag: str = "token count") -> int:
+    """'4M' -> 4 * 2**20 tokens (binary suffixes K, M, G, as batch sizes are quoted); '4194304' ok.
+    `flag` names the option in errors."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMG]?)i?\s*", str(text), re.IGNORECASE)
+        if not m:
+            raise ConfigError(f"{flag} {text!r} is not a number like 4194304 or 4M")
+        # Exact arithmetic: a float would round counts beyond 2**53.
+        value = fractions.Fraction(m.group(1)) * _SUFFIX[m.group(2).upper()]
+        if value.denominator != 1:
+            raise ConfigError(f"{flag} {text!r} must be a positive whole number of tokens")
+        value = int(value)
+    if value < 1:
+        raise ConfigError(f"{flag} {text!r} must be a positive whole number of tokens")
+    return value
 
 
 def sequences(tokens: int, seq_len: int) -> int:

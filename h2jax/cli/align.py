@@ -8,22 +8,25 @@ import argparse
 import contextlib
 import json
 
-from rich.console import Console
 from rich.table import Table
+
+from h2jax.cli.console import make_console
 
 from h2jax.runtime.jaxsetup import force_cpu_devices
 from h2jax.cli.progress import training_progress
+from h2jax.cli.options import positive_float, positive_int
 from h2jax.cluster import load_chip
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("align", help="check that chip types train to the same loss curve", description=__doc__)
     p.add_argument("--chips", required=True, help="chip types, comma-separated; the first is the reference")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--model", default="tiny", help="model preset (default tiny: fast on CPU)")
-    p.add_argument("--seq-len", type=int, default=32, help="sequence length (default 32)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--seq-len", type=positive_int, default=32, help="sequence length (default 32)")
+    p.add_argument("--global-batch", "--batch", dest="global_batch", type=positive_int, default=8,
+                   help="sequences per step (default 8)")
+    p.add_argument("--learning-rate", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=main)
 
@@ -34,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     force_cpu_devices(1)
     from h2jax.align import TOLERANCE, align
 
-    console = Console()
+    console = make_console()
     bars = contextlib.ExitStack()
 
     def progress_bar(chip: str):
@@ -42,11 +45,11 @@ def main(args: argparse.Namespace) -> int:
         bars.close()
         if args.json:
             return None
-        return bars.enter_context(training_progress(args.steps, args.batch * args.seq_len, 1, label=chip))
+        return bars.enter_context(training_progress(args.steps, args.global_batch * args.seq_len, 1, label=chip))
 
     with bars:
         result = align(
-            chips, args.steps, model=args.model, seq_len=args.seq_len, batch=args.batch,
+            chips, args.steps, model=args.model, seq_len=args.seq_len, batch=args.global_batch,
             learning_rate=args.learning_rate, on_step=progress_bar,
         )
     if args.json:
@@ -74,4 +77,3 @@ def main(args: argparse.Namespace) -> int:
         return 1
     console.print(f"[green]aligned[/]: every curve within {TOLERANCE:.1%} of {result.reference}")
     return 0
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from h2jax.cli.options import positive_int
 from h2jax.cluster import load_cluster
 from h2jax.speedup import compare, parse_tokens
 
@@ -17,7 +18,7 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("--cluster", required=True, help="cluster file (TOML), e.g. plans/cluster-1024.toml")
     p.add_argument("--model", required=True, help="model preset, e.g. llama-100b")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
     p.add_argument("--global-batch-tokens", required=True,
                    help="tokens per optimizer step, e.g. 4194304 or 4M (binary suffixes)")
     p.add_argument("--baseline-global-batch-tokens",
@@ -38,8 +39,9 @@ def main(args: argparse.Namespace) -> int:
 
         profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster)
-    tokens = parse_tokens(args.global_batch_tokens)
-    base = parse_tokens(args.baseline_global_batch_tokens) if args.baseline_global_batch_tokens else None
+    tokens = parse_tokens(args.global_batch_tokens, "--global-batch-tokens")
+    base = (parse_tokens(args.baseline_global_batch_tokens, "--baseline-global-batch-tokens")
+            if args.baseline_global_batch_tokens else None)
     result = compare(cluster, args.model, args.seq_len, tokens, base, args.schedule, profile,
                      time_limit_s=args.time_limit)
     if args.json:
@@ -54,10 +56,11 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _print(d: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 110))
+    from h2jax.cli.console import make_console
+
+    console = make_console()
     table = Table(title=f"{d['cluster']}: planned by the cost model, timed by the simulator")
     for col in ("run", "chips", "used", "batch", "stages", "m", "s/step sim", "s/step model",
                 "tokens/s", "TGS"):

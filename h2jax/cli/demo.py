@@ -7,14 +7,16 @@ the same chips run homogeneously (each type alone, planned alone) at the same gl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from h2jax.runtime.jaxsetup import force_cpu_devices
+from h2jax.cli.console import make_console
+from h2jax.cli.options import positive_int
 from h2jax.cli.progress import training_progress
 from h2jax.cli.show import plan_table
 from h2jax.cluster import REPO_ROOT, load_cluster
@@ -49,16 +51,29 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("--cluster", default=str(DEMO_CLUSTER), help="cluster file (default: the emulated 3-type one)")
     p.add_argument("--model", default="small", help="model preset (default small)")
-    p.add_argument("--seq-len", type=int, default=32, help="sequence length (default 32)")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--steps", type=int, default=20, help="training steps of the planned run (default 20)")
-    p.add_argument("--baseline-steps", type=int, default=3,
-                   help="steps of each homogeneous run; its step time is the median after the first (default 4)")
+    p.add_argument("--seq-len", type=positive_int, default=32, help="sequence length (default %(default)s)")
+    p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (default %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=20,
+                   help="training steps of the planned run (default %(default)s)")
+    p.add_argument("--baseline-steps", type=positive_int, default=3,
+                   help="steps of each homogeneous run; its step time is the median after the first "
+                        "(default %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with every figure on stdout (the narrative goes to stderr)")
     p.set_defaults(func=main)
 
 
+def chips_used(plan) -> dict[str, int]:
+    """Chip type -> chips the plan's stages run on."""
+    used: dict[str, int] = {}
+    for s in plan.stages:
+        used[s.chip] = used.get(s.chip, 0) + s.mesh.size
+    return used
+
+
 def main(args: argparse.Namespace) -> int:
-    console = Console()
+    console = make_console(stderr=args.json)
+    bars = not args.json
     t_start = time.perf_counter()
     cluster = load_cluster(args.cluster)
     force_cpu_devices(cluster.n_chips)
@@ -109,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
         if attempt == 0:
             console.print(f"3. Training {args.steps} steps on the Python standard library's source (byte tokens)...")
         try:
-            with training_progress(args.steps, plan.tokens_per_step, cluster.n_chips, label="mixed") as on_step:
+            with training_progress(args.steps, plan.tokens_per_step, plan.n_devices, enabled=bars,
+                                   label="mixed") as on_step:
                 mixed = run(plan, args.steps, on_step=on_step)
             break
         except StageMemoryError as e:
@@ -122,6 +138,11 @@ def main(args: argparse.Namespace) -> int:
                           f"{e.chip} ({e.capacity_bytes:,} B); re-planning with {e.chip}'s memory x "
                           f"{e.capacity_bytes / e.needed_bytes:.3f}")
     console.print(f"   loss {mixed.losses[0]:.3f} -> {mixed.losses[-1]:.3f} ({time.perf_counter() - t_start:.0f} s)")
+    used = chips_used(plan)
+    idle = {c: n - used.get(c, 0) for c, n in cluster.counts.items() if n > used.get(c, 0)}
+    if idle:
+        console.print("   chips left idle by the plan (the step is faster without them): "
+                      + ", ".join(f"{c} x{n}" for c, n in idle.items()))
 
     console.print("4. Each chip type alone, planned alone, at the same global batch "
                   f"({args.global_batch} x {args.seq_len} tokens)...")
@@ -131,24 +152,30 @@ def main(args: argparse.Namespace) -> int:
             console.print(f"   {name}: cannot train the model alone ({base.reason})")
             measured[name] = base
             continue
-        with training_progress(args.baseline_steps, base.plan.tokens_per_step, base.chips, label=name) as on_step:
+        with training_progress(args.baseline_steps, base.plan.tokens_per_step, base.plan.n_devices,
+                               enabled=bars, label=name) as on_step:
             alone = run(base.plan, args.baseline_steps, on_step=on_step)
         measured[name] = Baseline(name, base.chips, base.global_batch, alone.tokens_per_s,
                                   alone.step_time_s, base.plan)
 
     ratio = hetero_speedup_ratio(mixed.tokens_per_s, measured)
     table = Table(title="predicted (HeteroAuto, profiled) vs measured" + (" — EMULATED chips" if emulated else ""))
-    for col in ("run", "chips", "stages", "step s (pred.)", "step s (measured)", "tokens/s", "tokens/chip/s"):
+    # tokens/chip/s counts every chip of the cluster (idle ones too: the honest TGS); tokens/used
+    # chip/s only the chips the plan runs on.
+    for col in ("run", "chips", "used", "stages", "step s (pred.)", "step s (measured)", "tokens/s",
+                "tokens/chip/s", "tokens/used chip/s"):
         table.add_column(col)
-    table.add_row("mixed", str(cluster.n_chips), str(plan.n_stages), f"{plan.predicted['iteration_time_s']:.3f}",
-                  f"{mixed.step_time_s:.3f}", f"{mixed.tokens_per_s:,.0f}",
-                  f"{mixed.tokens_per_s / cluster.n_chips:,.1f}")  # per chip of the cluster, idle ones too
+    table.add_row("mixed", str(cluster.n_chips), str(plan.n_devices), str(plan.n_stages),
+                  f"{plan.predicted['iteration_time_s']:.3f}", f"{mixed.step_time_s:.3f}", f"{mixed.tokens_per_s:,.0f}",
+                  f"{mixed.tokens_per_s / cluster.n_chips:,.1f}", f"{mixed.tokens_per_s / plan.n_devices:,.1f}")
     for name, b in measured.items():
         pred = result.baselines[name].iteration_time_s
-        table.add_row(f"{name} alone", str(b.chips), str(b.plan.n_stages) if b.plan else "-",
+        n_used = b.plan.n_devices if b.plan else 0
+        table.add_row(f"{name} alone", str(b.chips), str(n_used), str(b.plan.n_stages) if b.plan else "-",
                       "-" if pred is None else f"{pred:.3f}",
                       "-" if b.iteration_time_s is None else f"{b.iteration_time_s:.3f}",
-                      f"{b.tokens_per_s:,.0f}", f"{b.tgs:,.1f}")
+                      f"{b.tokens_per_s:,.0f}", f"{b.tgs:,.1f}",
+                      f"{b.tokens_per_s / n_used:,.1f}" if n_used else "-")
     console.print(table)
     predicted_ratio = plan.predicted.get("hetero_speedup_ratio")
     console.print(
@@ -159,6 +186,21 @@ def main(args: argparse.Namespace) -> int:
     if emulated:
         console.print("[yellow]All figures are from EMULATED chips on this machine's CPU.[/]")
     console.print(f"demo finished in {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        print(json.dumps({
+            "cluster": cluster.name, "model": args.model, "chips": cluster.counts,
+            "chips_used": used, "chips_idle": idle, "emulated": bool(emulated),
+            "plan": plan.to_dict(), "losses": mixed.losses,
+            "predicted_step_s": plan.predicted["iteration_time_s"], "measured_step_s": mixed.step_time_s,
+            "tokens_per_s": mixed.tokens_per_s, "tokens_per_chip_per_s": mixed.tokens_per_s / cluster.n_chips,
+            "tokens_per_used_chip_per_s": mixed.tokens_per_s / plan.n_devices,
+            "baselines": {n: {"chips": b.chips, "chips_used": b.plan.n_devices if b.plan else 0,
+                              "predicted_step_s": result.baselines[n].iteration_time_s,
+                              "measured_step_s": b.iteration_time_s, "tokens_per_s": b.tokens_per_s,
+                              "tokens_per_chip_per_s": b.tgs, "reason": b.reason}
+                          for n, b in measured.items()},
+            "hetero_speedup_ratio": ratio, "hetero_speedup_ratio_predicted": predicted_ratio,
+        }))
     if not mixed.losses[-1] < mixed.losses[0]:
         console.print("[red]the loss did not fall[/]")
         return 1

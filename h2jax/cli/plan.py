@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. tiny, small, llama-7b, llama-100b")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     batch = p.add_mutually_exclusive_group(required=True)
-    batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (a multiple of --seq-len)")
+    batch.add_argument("--global-batch-tokens",
+                       help="tokens per optimizer step, a multiple of --seq-len, e.g. 2097152 or 2M (binary suffixes)")
     batch.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
     p.add_argument("--exhaustive", action="store_true",
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--time-limit", type=float, default=60.0,
                    help="stop the search after this many seconds with the best plan so far, marked not proved "
                         "optimal (default 60; small clusters finish in well under a second)")
-    p.add_argument("--baseline-global-batch-tokens", type=int, default=None,
+    p.add_argument("--baseline-global-batch-tokens", default=None,
                    help="also report baselines at this (different) batch, labelled batch-mismatched, as the H2 paper did")
     p.add_argument("--no-baselines", action="store_true", help="skip the homogeneous baselines")
     p.add_argument("--out", help="write the plan (JSON) here")
@@ -39,11 +40,16 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
-def sequences(tokens: int | None, seqs: int | None, seq_len: int, flag: str) -> int | None:
+def sequences(tokens: str | int | None, seqs: int | None, seq_len: int, flag: str) -> int | None:
+    from h2jax.speedup import parse_tokens
+
     if seqs is not None:
+        if seqs < 1:
+            raise ConfigError(f"--global-batch must be a positive number of sequences, got {seqs}")
         return seqs
     if tokens is None:
         return None
+    tokens = parse_tokens(tokens, flag)
     if tokens < seq_len or tokens % seq_len:
         raise ConfigError(
             f"{flag} ({tokens}) must be a positive multiple of --seq-len ({seq_len}); e.g. "
@@ -118,15 +124,17 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     from rich.table import Table
 
     plan, pred = result.plan, result.plan.predicted
-    console = Console(file=sys.stdout, width=max(100, Console().width))
-    table = Table(title=f"{plan.model_name or 'model'} on {cluster.name} ({cluster.n_chips} chips): "
-                  f"{plan.n_stages} stages, micro-batch {plan.micro_batch} x {plan.n_micro}, {plan.schedule}")
+    from h2jax.cli.console import count, gib, make_console
+
+    console = make_console()
+    table = Table(title=f"{plan.model_name or 'model'} on {cluster.name} ({count(cluster.n_chips, 'chip')}): "
+                  f"{count(plan.n_stages, 'stage')}, micro-batch {plan.micro_batch} x {plan.n_micro}, {plan.schedule}")
     for col in ("stage", "chip", "data x tensor", "layers", "recompute", "memory GiB"):
         table.add_column(col, justify="right" if col in ("stage", "memory GiB") else "left")
     for i, s in enumerate(plan.stages):
         table.add_row(
             str(i), s.chip, f"{s.mesh.data} x {s.mesh.tensor}", f"{s.layers[0]}-{s.layers[1] - 1} ({s.n_layers})",
-            s.recompute, f"{pred['memory_gib'][i]:.1f} / {pred['memory_capacity_gib'][i]:.0f}",
+            s.recompute, f"{gib(pred['memory_gib'][i])} / {gib(pred['memory_capacity_gib'][i])}",
         )
     console.print(table)
     console.print(

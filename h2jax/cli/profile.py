@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
 from rich.table import Table
 
+from h2jax.cli.console import make_console
+
 from h2jax.runtime.jaxsetup import force_cpu_devices
+from h2jax.cli.options import output_path, positive_int
 from h2jax.cluster import load_chip
 from h2jax.config import ConfigError, get_config
 
@@ -27,9 +29,10 @@ def int_list(text: str) -> list[int]:
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure per-layer costs of a chip type for the planner",
                        description=__doc__)
-    p.add_argument("--chip", required=True, help="chip type(s), comma-separated (backends/<name>.toml)")
+    p.add_argument("--chips", "--chip", dest="chips", required=True,
+                   help="chip type(s), comma-separated (backends/<name>.toml)")
     p.add_argument("--model", default="small", help="model preset (default small)")
-    p.add_argument("--seq-len", type=int, default=64, help="sequence length (default 64)")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="sequence length (default 64)")
     p.add_argument("--tensor", type=int_list, default=[1], help="tensor-parallel sizes, e.g. 1,2")
     p.add_argument("--micro-batch", type=int_list, default=[1, 2, 4], help="micro-batch sizes, e.g. 1,2,4")
     p.add_argument("--recompute", default="none", help="recompute policies, comma-separated (default none)")
@@ -40,7 +43,9 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    chips = [load_chip(c.strip()) for c in args.chip.split(",") if c.strip()]
+    chips = [load_chip(c.strip()) for c in args.chips.split(",") if c.strip()]
+    if not chips:
+        raise ConfigError("--chips names no chip type; give e.g. --chips emu-fast,emu-slow")
     model = get_config(args.model, where="--model")
     policies = [r.strip() for r in args.recompute.split(",") if r.strip()]
     if args.repeats < 1 or args.warmup < 0:
@@ -51,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
     from h2jax.planner.profile import save_profile
     from h2jax.profiler import merge_into, profile_chips
 
-    console = Console()
+    console = make_console()
     table = Table(title=f"per-layer costs: model {args.model}, seq_len {args.seq_len}")
     for col in ("chip", "tensor", "micro-batch", "tokens", "forward ms", "backward ms", "activations KiB", "note"):
         table.add_column(col)
@@ -71,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
         args.repeats, args.warmup, on_measure,
     )
     profile = merge_into(profile, args.out)
-    save_profile(profile, args.out)
+    save_profile(profile, output_path(args.out))
     console.print(table)
     console.print(f"wrote {args.out}; plan with it: h2jax plan --profile {args.out} ...")
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from h2jax.cli.options import output_path, positive_int
 from h2jax.cli.progress import training_progress
 from h2jax.plan import load_plan
 
@@ -13,7 +14,7 @@ from h2jax.plan import load_plan
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="train a plan file", description=__doc__)
     p.add_argument("--plan", required=True, help="plan file (JSON)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    p.add_argument("--steps", type=positive_int, default=10, help="optimizer steps (default 10)")
     p.add_argument("--data", help="token file (uint8 bytes); default: the Python stdlib corpus")
     p.add_argument("--unpipelined", action="store_true",
                    help="run the same model on the same data as one jitted function on one device")
@@ -39,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     n_chips = 1 if args.unpipelined else plan.n_devices
     with training_progress(args.steps, plan.tokens_per_step, n_chips, enabled=not args.json and reports) as on_step:
         result = run(plan, args.steps, dataset=dataset, unpipelined=args.unpipelined, on_step=on_step,
-                     trace=args.trace)
+                     trace=output_path(args.trace) if args.trace else None)
     if not reports:  # another MPI rank prints
         return 0
     if args.trace:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 
-from rich.console import Console
 from rich.table import Table
 
+from h2jax.cli.console import count, gib, make_console
 from h2jax.plan import Plan, load_plan
 
 
 def plan_table(plan: Plan, title: str | None = None) -> Table:
     table = Table(title=title or f"{plan.n_stages}-stage plan, {plan.schedule}, "
-                  f"{plan.n_micro} micro-batches of {plan.micro_batch} x {plan.seq_len} tokens")
+                  f"{count(plan.n_micro, 'micro-batch')} of {plan.micro_batch} x {plan.seq_len} tokens")
     for col in ("stage", "chip", "data", "tensor", "layers", "recompute"):
         table.add_column(col)
     memory = (plan.predicted or {}).get("memory_gib")
@@ -22,7 +23,7 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
         row = [str(i), s.chip, str(s.mesh.data), str(s.mesh.tensor),
                f"[{s.layers[0]}, {s.layers[1]})", s.recompute]
         if memory:
-            row.append(f"{memory[i]:.2f}")
+            row.append(gib(memory[i]))
         table.add_row(*row)
     return table
 
@@ -30,9 +31,19 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
 def add_parser(sub) -> None:
     p = sub.add_parser("show", help="print a plan file as a table", description=__doc__)
     p.add_argument("plan", help="plan file (JSON)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: the validated plan and the figures derived from it")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    Console().print(plan_table(load_plan(args.plan)))
+    plan = load_plan(args.plan)
+    if args.json:
+        print(json.dumps({
+            "plan": plan.to_dict(), "n_stages": plan.n_stages, "n_micro": plan.n_micro,
+            "n_devices": plan.n_devices, "n_processes": plan.n_processes,
+            "tokens_per_step": plan.tokens_per_step,
+        }))
+        return 0
+    make_console().print(plan_table(plan))
     return 0

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from h2jax import schedule as sched
+from h2jax.cli.options import nonnegative_float, output_path, positive_int
 from h2jax.cluster import load_cluster
 from h2jax.plan import load_plan
 from h2jax.sim import chips_for, plan_report, simulate_plan
@@ -22,9 +23,9 @@ def add_parser(sub) -> None:
                    help="simulate this schedule instead of the plan's")
     p.add_argument("--all-schedules", action="store_true",
                    help="also simulate every schedule and show how much bubble each leaves")
-    p.add_argument("--micro-batches", type=int,
+    p.add_argument("--micro-batches", type=positive_int,
                    help="override the plan's micro-batch count (global batch = count x micro_batch)")
-    p.add_argument("--jitter", type=float, default=0.0,
+    p.add_argument("--jitter", type=nonnegative_float, default=0.0,
                    help="lognormal log-sd of per-operation noise (default 0: deterministic)")
     p.add_argument("--seed", type=int, default=0, help="jitter seed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -65,13 +66,13 @@ def main(args: argparse.Namespace) -> int:
     if args.trace:
         from h2jax.trace import write_trace
 
-        write_trace(result.events, args.trace, stage_names=labels,
+        write_trace(result.events, output_path(args.trace), stage_names=labels,
                     metadata={"source": "h2jax simulate", "plan": str(args.plan), "schedule": name})
         report["trace"] = args.trace
     if args.plot:
         from h2jax.trace import plot_timeline
 
-        plot_timeline(result.events, args.plot, labels,
+        plot_timeline(result.events, output_path(args.plot), labels,
                       title=f"{args.plan}: {name}, {plan.n_micro} micro-batches, "
                       f"{result.iteration_s:.3f} s/step (simulated)")
         report["plot"] = args.plot
@@ -83,10 +84,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _print_report(r: dict, plan_path: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{plan_path}: {r['schedule']}, {r['n_stages']} stages, "
+    from h2jax.cli.console import count, make_console
+
+    table = Table(title=f"{plan_path}: {r['schedule']}, {count(r['n_stages'], 'stage')}, "
                   f"{r['n_micro']} micro-batches, {r['n_chips']} chips (simulated)")
     for col in ("stage", "chip", "DxT", "layers", "F ms", "B ms", "send ms", "busy %", "in flight",
                 "peak GiB"):
@@ -98,7 +100,7 @@ def _print_report(r: dict, plan_path: str) -> None:
             f"{s['forward_s'] * 1e3:.2f}", f"{s['backward_s'] * 1e3:.2f}", f"{s['send_s'] * 1e3:.2f}",
             f"{100 * s['busy_s'] / pipe:.1f}", str(s["peak_in_flight"]), f"{s['peak_memory_gib']:.1f}",
         )
-    console = Console()
+    console = make_console()
     console.print(table)
     line = (f"step {r['iteration_s']:.4f} s simulated, bubble {100 * r['bubble_fraction']:.1f}%, "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['tgs']:,.1f} tokens/chip/s")
