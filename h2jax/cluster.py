@@ -47,6 +47,42 @@ class Precision:
     matmul_precision: str = "highest"
 
 
+ATTENTION_CHOICES = ("fused", "xla")
+
+
+def default_attention(platform: str) -> str:
+    """[kernels] attention when a chip file does not say: "fused" where JAX has the platform's
+    own flash kernel (cuDNN on `cuda`), else "xla" (the explicit path; "fused" there means the
+    blocked XLA kernel, which trades extra backward compute for memory -- a chip file opts in)."""
+    return "fused" if platform == "cuda" else "xla"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Kernels:
+    """Which kernels a chip type runs: `attention` is "fused" (never materializes the s x s
+    scores) or "xla" (the explicit path, scores materialized and kept for the backward)."""
+
+    attention: str = "xla"
+
+
+ATTENTION_CHOICES = ("fused", "xla")
+
+
+def default_attention(platform: str) -> str:
+    """[kernels] attention when a chip file does not say: "fused" where JAX has the platform's
+    own flash kernel (cuDNN on `cuda`), else "xla" (the explicit path; "fused" there means the
+    blocked XLA kernel, which trades extra backward compute for memory -- a chip file opts in)."""
+    return "fused" if platform == "cuda" else "xla"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Kernels:
+    """Which kernels a chip type runs: `attention` is "fused" (never materializes the s x s
+    scores) or "xla" (the explicit path, scores materialized and kept for the backward)."""
+
+    attention: str = "xla"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChipType:
     name: str
@@ -60,6 +96,18 @@ class ChipType:
     plugin: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     emulate: Emulation | None = None
     precision: Precision = Precision()
+    kernels: Kernels = Kernels()
+
+    @property
+    def attention_kernel(self) -> str:
+        """The attention kernel this chip's stages run (h2jax.config.ATTENTION_KERNELS): "xla";
+        under "fused", cuDNN's flash kernel on `cuda` with a 16-bit compute dtype (it has no f32
+        path), else the blocked XLA kernel."""
+        if self.kernels.attention == "xla":
+            return "xla"
+        if self.platform == "cuda" and self.precision.compute_dtype in ("bfloat16", "float16"):
+            return "cudnn"
+        return "blocked"
 
     @property
     def is_emulated(self) -> bool:
@@ -128,6 +176,28 @@ def _precision(raw: Mapping[str, Any], where: str) -> Precision:
     return Precision(**table)
 
 
+def _kernels(raw: Mapping[str, Any], where: str) -> Kernels:
+    table = _table(raw, "kernels", where, tuple(f.name for f in dataclasses.fields(Kernels)))
+    attention = table.get("attention", default_attention(str(raw["platform"])))
+    if attention not in ATTENTION_CHOICES:
+        raise ConfigError(
+            f"{where}: kernels.attention {attention!r} is unknown; use \"fused\" (never materializes "
+            f"the attention scores) or \"xla\" (the explicit path), or leave it out for the platform's default"
+        )
+    return Kernels(attention=attention)
+
+
+def _kernels(raw: Mapping[str, Any], where: str) -> Kernels:
+    table = _table(raw, "kernels", where, tuple(f.name for f in dataclasses.fields(Kernels)))
+    attention = table.get("attention", default_attention(str(raw["platform"])))
+    if attention not in ATTENTION_CHOICES:
+        raise ConfigError(
+            f"{where}: kernels.attention {attention!r} is unknown; use \"fused\" (never materializes "
+            f"the attention scores) or \"xla\" (the explicit path), or leave it out for the platform's default"
+        )
+    return Kernels(attention=attention)
+
+
 def chip_from_dict(name: str, raw: Mapping[str, Any], where: str) -> ChipType:
     missing = [k for k in _CHIP_REQUIRED if k not in raw]
     if missing:
@@ -168,6 +238,7 @@ def chip_from_dict(name: str, raw: Mapping[str, Any], where: str) -> ChipType:
         plugin=dict(_table(raw, "plugin", where, None)),
         emulate=emulate,
         precision=precision,
+        kernels=_kernels(raw, where),
     )
 
 

@@ -85,6 +85,27 @@ class ModelConfig:
                 )
 
 
+# Attention kernels a stage may run (chosen per chip type, see h2jax.cluster):
+#   "xla"     the explicit path: the s x s scores are materialized and the probabilities saved
+#             for the backward (h*s values per token per layer);
+#   "cudnn"   cuDNN's flash-attention kernel through jax.nn.dot_product_attention (CUDA,
+#             bf16/fp16 compute): tiles in on-chip memory, causal tiles skipped, the backward
+#             recomputes the scores from the saved output and log-sum-exp;
+#   "blocked" jax.nn.dot_product_attention's XLA path run one block of queries at a time, each
+#             block recomputed in the backward (memory-efficient attention, Rabe & Staats
+#             2021): one block's scores alive at a time, nothing of them kept for the backward.
+ATTENTION_KERNELS = ("xla", "cudnn", "blocked")
+ATTENTION_BLOCK = 512  # query rows per block of the "blocked" kernel
+CUDNN_TILE = 128  # query/key tile of cuDNN's flash kernel (FlashAttention-2's 128), for counting
+
+
+def causal_keys_per_query(seq_len: int, tile: int) -> float:
+    """Mean keys a query is multiplied with when causal attention skips every key tile after its
+    query tile (the FLOPs of such a kernel per token scale with this; a full square: seq_len)."""
+    bounds = [(start, min(start + tile, seq_len)) for start in range(0, seq_len, tile)]
+    return sum((end - start) * end for start, end in bounds) / seq_len
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Compiles in seconds on a laptop CPU; used by tests.
     "tiny": ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128),

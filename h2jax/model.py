@@ -12,11 +12,13 @@ so a stage that builds layers [start, end) gets bit-identical parameters to the 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from h2jax.config import ModelConfig
+from h2jax.config import ATTENTION_BLOCK, ATTENTION_KERNELS, ModelConfig
 
 
 def layer_name(i: int) -> str:
@@ -50,10 +52,68 @@ def rotary(x_BSNE: jax.Array, theta: float) -> jax.Array:
     return out.astype(x_BSNE.dtype)
 
 
+def _xla_attention(q_BSHE, k_BSKE, v_BSKE, precision) -> jax.Array:
+    """The explicit path: the full s x s scores in f32, masked, softmax, probabilities kept."""
+    B, S, H, E = q_BSHE.shape
+    K = k_BSKE.shape[2]
+    q_BSKGE = q_BSHE.reshape(B, S, K, H // K, E)
+    logits_BKGST = jnp.einsum("bskge,btke->bkgst", q_BSKGE, k_BSKE, precision=precision) / jnp.sqrt(
+        jnp.float32(E)
+    ).astype(q_BSHE.dtype)
+    causal_ST = jnp.tril(jnp.ones((S, S), dtype=bool))
+    logits_BKGST = jnp.where(causal_ST, logits_BKGST.astype(jnp.float32), -jnp.inf)
+    probs_BKGST = jax.nn.softmax(logits_BKGST, axis=-1).astype(q_BSHE.dtype)
+    out_BSKGE = jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BSKE, precision=precision)
+    return out_BSKGE.reshape(B, S, H, E)
+
+
+def _blocked_attention(q_BSHE, k_BSKE, v_BSKE) -> jax.Array:
+    """jax.nn.dot_product_attention's XLA path one block of ATTENTION_BLOCK queries at a time,
+    in a loop (so blocks run one after another), each block a checkpoint whose scores are
+    recomputed in the backward: at most one block's scores are ever alive, and the backward
+    keeps only q, k and v. Blocks see every key under the causal mask (full-square FLOPs)."""
+    B, S, H, E = q_BSHE.shape
+    C = min(ATTENTION_BLOCK, S)
+    N = -(-S // C)
+    # Padded query rows (past S) see every key, stay finite, and are dropped below.
+    q_NBCHE = jnp.pad(q_BSHE, ((0, 0), (0, N * C - S), (0, 0), (0, 0))).reshape(B, N, C, H, E).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def block(q_BCHE, start):
+        mask_CS = (start + jnp.arange(C))[:, None] >= jnp.arange(S)[None, :]
+        return jax.nn.dot_product_attention(q_BCHE, k_BSKE, v_BSKE, mask=mask_CS[None, None], implementation="xla")
+
+    out_NBCHE = jax.lax.map(lambda args: block(*args), (q_NBCHE, jnp.arange(N) * C))
+    return out_NBCHE.swapaxes(0, 1).reshape(B, N * C, H, E)[:, :S]
+
+
+_PRECISION_NAMES = {
+    jax.lax.Precision.DEFAULT: "default", jax.lax.Precision.HIGH: "high", jax.lax.Precision.HIGHEST: "highest"
+}
+
+
+def causal_attention(q_BSHE, k_BSKE, v_BSKE, kernel: str = "xla", precision=None) -> jax.Array:
+    """Causal grouped-query attention of rotated q, k and v by `kernel` (config.ATTENTION_KERNELS);
+    every kernel computes the same function, they differ in memory and speed."""
+    if kernel == "xla":
+        return _xla_attention(q_BSHE, k_BSKE, v_BSKE, precision)
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel {kernel!r} is unknown; use one of {', '.join(ATTENTION_KERNELS)}")
+    # jax.nn.dot_product_attention takes no precision argument: the stage's matmul precision
+    # reaches its dots as the default precision of this trace.
+    name = _PRECISION_NAMES.get(precision, precision)
+    with jax.default_matmul_precision(name) if name is not None else contextlib.nullcontext():
+        if kernel == "cudnn":
+            return jax.nn.dot_product_attention(q_BSHE, k_BSKE, v_BSKE, is_causal=True, implementation="cudnn")
+        return _blocked_attention(q_BSHE, k_BSKE, v_BSKE)
+
+
 class Attention(nnx.Module):
     """Causal grouped-query attention; heads split over `tensor` (Megatron column/row)."""
 
-    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None):
+    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None, kernel: str = "xla"):
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel {kernel!r} is unknown; use one of {', '.join(ATTENTION_KERNELS)}")
         D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kq, kk, kv, ko = jax.random.split(key, 4)
         std = cfg.init_std
@@ -61,25 +121,14 @@ class Attention(nnx.Module):
         self.wk_DKE = nnx.Param(_normal(kk, (D, K, E), std, dtype), logical_axes=("embed", "kv_heads", "head_dim"))
         self.wv_DKE = nnx.Param(_normal(kv, (D, K, E), std, dtype), logical_axes=("embed", "kv_heads", "head_dim"))
         self.wo_HED = nnx.Param(_normal(ko, (H, E, D), std, dtype), logical_axes=("heads", "head_dim", "embed"))
-        self.n_kv_heads, self.theta, self.precision = K, cfg.rope_theta, precision
+        self.theta, self.precision, self.kernel = cfg.rope_theta, precision, kernel
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        B, S, _ = x_BSD.shape
         p = self.precision
         q_BSHE = rotary(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), self.theta)
         k_BSKE = rotary(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), self.theta)
         v_BSKE = jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...], precision=p)
-        K = self.n_kv_heads
-        E = q_BSHE.shape[-1]
-        q_BSKGE = q_BSHE.reshape(B, S, K, -1, E)
-        logits_BKGST = jnp.einsum("bskge,btke->bkgst", q_BSKGE, k_BSKE, precision=p) / jnp.sqrt(
-            jnp.float32(E)
-        ).astype(x_BSD.dtype)
-        causal_ST = jnp.tril(jnp.ones((S, S), dtype=bool))
-        logits_BKGST = jnp.where(causal_ST, logits_BKGST.astype(jnp.float32), -jnp.inf)
-        probs_BKGST = jax.nn.softmax(logits_BKGST, axis=-1).astype(x_BSD.dtype)
-        out_BSKGE = jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BSKE, precision=p)
-        out_BSHE = out_BSKGE.reshape(B, S, -1, E)
+        out_BSHE = causal_attention(q_BSHE, k_BSKE, v_BSKE, self.kernel, p)
         return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...], precision=p)
 
 
@@ -101,10 +150,10 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None):
+    def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None, attention: str = "xla"):
         ka, km = jax.random.split(key)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
-        self.attn = Attention(cfg, ka, dtype, precision)
+        self.attn = Attention(cfg, ka, dtype, precision, attention)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
         self.mlp = SwiGLU(cfg, km, dtype, precision)
 
@@ -157,7 +206,10 @@ class StageModel(nnx.Module):
         dtype=jnp.float32,
         precision=None,
         remat_policy=None,
+        attention: str = "xla",
     ):
+        """`attention`: the attention kernel every block runs (config.ATTENTION_KERNELS);
+        parameters and the function computed do not depend on it."""
         root = jax.random.key(seed)
         # Selective recomputation: each block saves only what `remat_policy` allows.
         self.remat_policy = remat_policy
@@ -166,7 +218,7 @@ class StageModel(nnx.Module):
         if self.is_first:
             self.embed = Embed(cfg, jax.random.fold_in(root, cfg.n_layers), dtype)
         for i, name in zip(range(start, end), self.layer_names):
-            setattr(self, name, Block(cfg, jax.random.fold_in(root, i), dtype, precision))
+            setattr(self, name, Block(cfg, jax.random.fold_in(root, i), dtype, precision, attention))
         if self.is_last:
             self.head = Head(cfg, jax.random.fold_in(root, cfg.n_layers + 1), dtype, precision)
 
