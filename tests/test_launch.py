@@ -16,7 +16,8 @@ from h2jax.cli import main as cli_main
 from h2jax.cluster import cluster_from_dict, load_cluster
 from h2jax.config import ConfigError
 from h2jax.launch.commands import allocation_hosts, build, visibility_env
-from h2jax.launch.hosts import assign_hosts, expand_hosts, placements, read_hostfile
+from h2jax.launch.hosts import expand_hosts, placements, read_hostfile
+from h2jax.planner.hosts import assign_hosts
 from h2jax.plan import PlanError, plan_from_dict, save_plan
 from h2jax.runtime.preflight import RankReport, check, mismatches, same_host
 

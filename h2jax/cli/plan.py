@@ -80,6 +80,8 @@ def main(args: argparse.Namespace) -> int:
         save_plan(result.plan, args.out)
     if args.json:
         out: dict[str, Any] = {"cluster": cluster.name, "plan": result.plan.to_dict()}
+        # the attention kernel each chip type's stages run (its chip file's [kernels] attention)
+        out["attention"] = {s.chip: cluster.chips[s.chip].attention_kernel for s in result.plan.stages}
         if args.top_k > 1:
             out["top_k"] = [
                 {"iteration_time_s": c.time_s, "micro_batch": c.micro_batch,
@@ -129,12 +131,13 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     console = make_console()
     table = Table(title=f"{plan.model_name or 'model'} on {cluster.name} ({count(cluster.n_chips, 'chip')}): "
                   f"{count(plan.n_stages, 'stage')}, micro-batch {plan.micro_batch} x {plan.n_micro}, {plan.schedule}")
-    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "memory GiB"):
+    for col in ("stage", "chip", "data x tensor", "layers", "recompute", "attention", "memory GiB"):
         table.add_column(col, justify="right" if col in ("stage", "memory GiB") else "left")
     for i, s in enumerate(plan.stages):
         table.add_row(
             str(i), s.chip, f"{s.mesh.data} x {s.mesh.tensor}", f"{s.layers[0]}-{s.layers[1] - 1} ({s.n_layers})",
-            s.recompute, f"{gib(pred['memory_gib'][i])} / {gib(pred['memory_capacity_gib'][i])}",
+            s.recompute, cluster.chips[s.chip].attention_kernel,
+            f"{gib(pred['memory_gib'][i])} / {gib(pred['memory_capacity_gib'][i])}",
         )
     console.print(table)
     console.print(

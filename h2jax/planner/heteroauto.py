@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from h2jax.cluster import Cluster
 from h2jax.config import ModelConfig, get_config
-from h2jax.launch.hosts import assign_hosts
+from h2jax.planner.hosts import assign_hosts
 from h2jax.plan import RECOMPUTE_POLICIES, Optimizer, Plan
 from h2jax.planner import cost_model as cm
 from h2jax.planner.baselines import Baseline, hetero_speedup_ratio, homogeneous_baselines
