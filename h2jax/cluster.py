@@ -330,7 +330,8 @@ class Cluster:
 
 
 def cluster_from_dict(raw: Mapping[str, Any], where: str, directory: Path | None = None) -> Cluster:
-    """Parse `{name?, group: [{chip, count, chips_per_node?, intra_node_gbps?, inter_node_gbps?}]}`."""
+    """Parse `{name?, group: [{chip, count, chips_per_node?, intra_node_gbps?, inter_node_gbps?,
+    hosts? | hostfile?}]}`; a group that lists hosts may leave out `count` (all their chips)."""
     unknown = sorted(set(raw) - {"name", "description", "group"})
     if unknown:
         raise ConfigError(
