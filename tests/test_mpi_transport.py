@@ -370,7 +370,9 @@ def test_host_views_of_jax_buffers_are_zero_copy_for_every_dtype(dtype):
 
     from h2jax.transport.mpi import _host_view
 
-    x = jax.device_put(jnp.arange(24, dtype=dtype).reshape(2, 3, 4), jax.devices()[1])
+    # The view reads the buffer by its address: only of a computed array, as the transport
+    # (which sends a value once it is_ready()) does.
+    x = jax.device_put(jnp.arange(24, dtype=dtype).reshape(2, 3, 4), jax.devices()[1]).block_until_ready()
     view = _host_view(x)
     assert view.ctypes.data == x.unsafe_buffer_pointer() and view.shape == x.shape
     assert view.dtype.itemsize == x.dtype.itemsize

@@ -210,6 +210,7 @@ class _BufferPool:
     def __init__(self, per_shape: int = 16):
         self.per_shape = per_shape
         self.free: dict[tuple, list[np.ndarray]] = collections.defaultdict(list)
+        self.next: dict[tuple, int] = collections.defaultdict(int)
 
     @staticmethod
     def key(shape, dtype) -> tuple:
@@ -220,14 +221,20 @@ class _BufferPool:
 
     def take_key(self, key: tuple) -> np.ndarray:
         bufs = self.free[key]
-        for i in range(len(bufs)):
+        n = len(bufs)
+        # Buffers come back in about the order they went out: start after the last one taken.
+        start = self.next[key]
+        for i in range(start, start + n):
+            i %= n
             # Unused: the view is held only by the list, its memory only by the view (each
             # count includes getrefcount's own argument). No local name may bind them here.
             if sys.getrefcount(bufs[i]) == 2 and sys.getrefcount(bufs[i].base) == 2:
+                self.next[key] = i + 1
                 return bufs[i]
         buf = aligned_empty(*key)
-        if len(bufs) < self.per_shape:
+        if n < self.per_shape:
             bufs.append(buf)
+            self.next[key] = n + 1
         return buf
 
 
@@ -265,6 +272,8 @@ class _Route:
     every message of a route moves the same pieces."""
 
     def __init__(self, transfers, src, dst, shape, dtype, me, broadcast, local_positions, code_base):
+        from mpi4py import MPI
+
         self.shape, self.dtype, self.code_base = shape, dtype, code_base
         shard = {p: i for i, p in enumerate(local_positions)}
         self.sends = []  # (shard index, peer rank, _Region over that shard)
@@ -298,6 +307,14 @@ class _Route:
         self.sent = 0  # messages
         self.received = 0
         self.bytes_received = 0  # as MPI reports it delivered them
+        # Filled by each completed Testall/Waitall of this route's receives and read at once.
+        self.statuses = [MPI.Status() for _ in self.recvs]
+        self._byte = MPI.BYTE
+
+    def delivered(self) -> int:
+        """Bytes MPI reports the receives it just completed delivered."""
+        byte = self._byte
+        return sum([s.Get_elements(byte) for s in self.statuses])
 
     def free(self) -> None:
         for _, _, region in self.sends + self.recvs:
@@ -349,7 +366,7 @@ class MPITransport(Transport):
         self._inflight: collections.deque = collections.deque()  # (requests, value, buffers)
         self._pool = _BufferPool()  # receive buffers
         self._send_pool = _BufferPool()  # staging buffers of the staged path on host arrays
-        # Posted receives by tag: [route, requests, buffers, statuses, complete].
+        # Posted receives by tag: [route, requests, buffers, bytes MPI delivered once complete].
         self._posted: dict[Tag, list] = {}
         self._sleep = time.sleep
         self._put = self._zero_copy_put = None
@@ -543,7 +560,7 @@ class MPITransport(Transport):
         else:
             buffers = {i: self._send_buffer(value.addressable_data(i)) for i in route.send_shards}
         isend = self.comm.Isend
-        requests = [isend([buffers[i], count, kind], dest=peer, tag=code) for i, peer, count, kind in route.send_messages]
+        requests = [isend([buffers[i], count, kind], peer, code) for i, peer, count, kind in route.send_messages]
         route.sent += 1
         # The value and its views stay referenced until MPI is done with them.
         self._inflight.append((requests, value, buffers))
@@ -587,7 +604,7 @@ class MPITransport(Transport):
         route = self._receiving.get((tag.kind, tag.boundary))
         if route is None:
             raise self._no_route(tag, "received")
-        code = self._code(tag, route)
+        code = tag.micro * self._code_stride + route.code_base if tag.micro <= self._max_micro else self._code(tag, route)
         if self._host_buffers:
             take = self._pool.take_key
             buffers = [take(key) for key in route.recv_keys]
@@ -595,31 +612,32 @@ class MPITransport(Transport):
             import jax.numpy as jnp
 
             buffers = [jnp.zeros(key[0], self.dtype, device=d) for key, d in zip(route.recv_keys, self._local)]
-        irecv, status = self.comm.Irecv, self._MPI.Status
-        requests = [irecv([buffers[i], count, kind], source=peer, tag=code) for i, peer, count, kind in route.recv_messages]
-        return [route, requests, buffers, [status() for _ in requests], False]
+        irecv = self.comm.Irecv
+        requests = [irecv([buffers[i], count, kind], peer, code) for i, peer, count, kind in route.recv_messages]
+        return [route, requests, buffers, None]
 
     def ready(self, tag: Tag) -> bool:
         posted = self._posted.get(tag)
         if posted is None:
             posted = self._posted[tag] = self._post(tag)
         self._progress()
-        if not posted[4]:
-            posted[4] = self._MPI.Request.Testall(posted[1], posted[3])
-        return posted[4]
+        if posted[3] is None and self._testall(posted[1], posted[0].statuses):
+            posted[3] = posted[0].delivered()
+        return posted[3] is not None
 
     def recv(self, tag: Tag):
         posted = self._posted.pop(tag, None)
         if posted is None:
             posted = self._post(tag)
-        route, requests, buffers, statuses, complete = posted
-        if not (complete or self._testall(requests, statuses)):
-            self._wait(requests, statuses)
+        route, requests, buffers, delivered = posted
+        if delivered is None:
+            if not self._testall(requests, route.statuses):
+                self._wait(requests, route.statuses)
+            delivered = route.delivered()
         if self._pending_sends or self._inflight:
             self._progress()
         route.received += 1
-        byte = self._byte
-        route.bytes_received += sum([s.Get_elements(byte) for s in statuses])
+        route.bytes_received += delivered
         if self._zero_copy_put is None or route.broadcast:
             return self._assemble(route, buffers)
         return self._zero_copy_put(buffers)
