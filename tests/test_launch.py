@@ -127,6 +127,13 @@ def test_h2jax_plan_records_the_hosts(tmp_path):
     assert len({p.host for p in places}) == len(places)
 
 
+def test_h2jax_show_lists_each_process_host_and_chips(capsys):
+    assert cli_main(["show", str(HERE / "hetero.json")]) == 0
+    out = capsys.readouterr().out
+    for cell in ("h100-01:0-7, h100-02:0-7", "mi300x-07:0-3", "mi300x-07:4-7", "tpu-v5e-0:0,1"):
+        assert cell in out, out
+
+
 # ----------------------------------------------------------------------------- command lines
 
 

@@ -19,13 +19,26 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
     memory = (plan.predicted or {}).get("memory_gib")
     if memory:
         table.add_column("memory GiB (pred.)")
+    hosts = all(s.hosts is not None for s in plan.stages)
+    if hosts:
+        table.add_column("hosts")
     for i, s in enumerate(plan.stages):
         row = [str(i), s.chip, str(s.mesh.data), str(s.mesh.tensor),
                f"[{s.layers[0]}, {s.layers[1]})", s.recompute]
         if memory:
             row.append(gib(memory[i]))
+        if hosts:  # each process's host and chips, as `h2jax launch` will place them
+            row.append(", ".join(f"{h.host}:{_ids(h.devices)}" for h in s.hosts))
         table.add_row(*row)
     return table
+
+
+def _ids(devices) -> str:
+    """Chip ids as 0-7 when consecutive, else 0,2,5."""
+    d = list(devices)
+    if len(d) > 2 and d == list(range(d[0], d[0] + len(d))):
+        return f"{d[0]}-{d[-1]}"
+    return ",".join(map(str, d))
 
 
 def add_parser(sub) -> None:
