@@ -60,7 +60,7 @@ def main() -> int:
     where = {i: {d.platform for d in ex.mesh.devices.flat} for i, ex in trainer.executors.items()}
     print(f"stage devices: {where}")
     assert where == {0: {"gpu"}, 1: {"cpu"}} or where == {0: {"cuda"}, 1: {"cpu"}}, where
-    mixed = [trainer.step(dataset.batch(n, plan.global_batch)) for n in range(args.steps)]
+    mixed = [trainer.step(dataset.batch(n, plan.global_batch)).loss for n in range(args.steps)]
     reference = ReferenceModel(plan, device=jax.devices("cpu")[0])  # f32, one CPU device
     want = [reference.step(dataset.batch(n, plan.global_batch)) for n in range(args.steps)]
     err = curve_error("mixed", mixed, want)

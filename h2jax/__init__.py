@@ -2,6 +2,9 @@
 
     import h2jax
     result = h2jax.run("plans/demo.json", steps=20)
+
+    trainer = h2jax.Trainer(h2jax.load_plan("plans/demo.json"), steps=100)  # your own loop
+    metrics = trainer.step(batch)
 """
 
 from h2jax.config import ConfigError, ModelConfig, PRESETS, get_config
@@ -17,4 +20,13 @@ def run(plan, steps: int = 10, **kwargs):
     return _run(plan, steps, **kwargs)
 
 
-__all__ = ["ConfigError", "ModelConfig", "PRESETS", "Plan", "PlanError", "get_config", "load_plan", "run", "save_plan"]
+def __getattr__(name: str):
+    # Trainer lives with the runtime; imported on first use so `import h2jax` starts no backend.
+    if name in ("Trainer", "StepMetrics"):
+        from h2jax.runtime import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module 'h2jax' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "StepMetrics", "Trainer", "ModelConfig", "PRESETS", "Plan", "PlanError", "get_config", "load_plan", "run", "save_plan"]

@@ -35,7 +35,7 @@ THREE = [stage("emu-fast", 1, 2, [0, 1]), stage("emu-mid", 2, 1, [1, 3], "select
 
 
 def train(trainer, dataset, start, n):
-    return [trainer.step(dataset.batch(k, trainer.plan.global_batch)) for k in range(start, start + n)]
+    return [trainer.step(dataset.batch(k, trainer.plan.global_batch)).loss for k in range(start, start + n)]
 
 
 def save(trainer, directory, step, keep=None):

@@ -40,7 +40,7 @@ def trained(token_file):
         for clock in trainer.clocks.values():
             clock.busy_s = 0.0
         t0 = time.perf_counter()
-        losses.append(trainer.step(dataset.batch(n, plan.global_batch)))
+        losses.append(trainer.step(dataset.batch(n, plan.global_batch)).loss)
         walls.append(time.perf_counter() - t0)
         busy.append(max(c.busy_s for c in trainer.clocks.values()))
     return plan, trainer, losses, walls, busy

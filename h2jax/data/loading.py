@@ -65,8 +65,14 @@ class TokenDataset:
     """A raw uint8 token file (bytes, vocabulary 256); no validation split."""
 
     vocab_size = 256
-    tokenizer_sha256 = None
     has_val = False
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        """The bytes tokenizer's: a raw byte file holds the ids `--tokenizer bytes` gives."""
+        from h2jax.data.tokenizers import ByteTokenizer
+
+        return ByteTokenizer().sha256
 
     def __init__(self, path: str | Path, seq_len: int, seed: int = 0):
         self.path = Path(path)

@@ -9,11 +9,13 @@ both clip identically (the formula is optax.clip_by_global_norm's).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from h2jax.plan import Optimizer, PlanError, Train
+from h2jax.plan import Optimizer, Plan, PlanError, Train
 
 
 def learning_rate_schedule(opt: Optimizer, train: Train | None = None, steps: int | None = None):
@@ -30,7 +32,10 @@ def learning_rate_schedule(opt: Optimizer, train: Train | None = None, steps: in
     horizon = train.decay_steps or steps
     if train.lr_schedule != "constant":
         if horizon is None:
-            raise PlanError(f"train.lr_schedule {train.lr_schedule!r} needs train.decay_steps or the run's step count")
+            raise PlanError(
+                f"train.lr_schedule {train.lr_schedule!r} needs its length: set train.decay_steps, or give "
+                "the run's steps (h2jax.Trainer(plan, steps=N))"
+            )
         if horizon <= warmup:
             raise PlanError(
                 f"train.warmup_steps ({warmup}) must be less than the schedule's length ({horizon} steps: "
@@ -46,15 +51,26 @@ def learning_rate_schedule(opt: Optimizer, train: Train | None = None, steps: in
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
+def with_schedule_length(plan: Plan, steps: int | None) -> Plan:
+    """`plan` with its learning-rate schedule's length fixed: `train.decay_steps`, or else the
+    run's `steps` (a run of N steps decays over N unless the plan says otherwise)."""
+    if steps is None or plan.train.decay_steps is not None:
+        return plan
+    if plan.train.lr_schedule == "constant" and plan.train.warmup_steps == 0:
+        return plan
+    return dataclasses.replace(plan, train=dataclasses.replace(plan.train, decay_steps=steps))
+
+
 def learning_rate_at(schedule, n: int) -> float:
     """The learning rate of update `n` under `schedule` (a float or an optax schedule)."""
     return float(schedule(n)) if callable(schedule) else float(schedule)
 
 
-def make_optimizer(opt: Optimizer, schedule=None) -> optax.GradientTransformation:
-    """`opt`'s optax optimizer; `schedule` (from `learning_rate_schedule`) replaces the
-    constant `opt.learning_rate`."""
-    lr = opt.learning_rate if schedule is None else schedule
+def make_optimizer(opt: Optimizer, train: Train | None = None, schedule=None) -> optax.GradientTransformation:
+    """`opt`'s optax optimizer, its learning rate following `train`'s schedule (whose length
+    must be known: `train.decay_steps`, see `with_schedule_length`), or `schedule` (a
+    traceable function of the update count, e.g. an optax schedule) when given."""
+    lr = learning_rate_schedule(opt, train) if schedule is None else schedule
     if opt.name == "sgd":
         return optax.sgd(lr)
     return optax.adamw(lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)

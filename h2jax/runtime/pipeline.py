@@ -20,8 +20,8 @@ from h2jax.transport.base import ACT, GRAD, Tag, Transport
 class _StageRun:
     """One stage's progress through its action list within one step."""
 
-    def __init__(self, ex: StageExecutor, actions: list[sched.Action]):
-        self.ex, self.actions, self.pos = ex, actions, 0
+    def __init__(self, ex: StageExecutor, actions: list[sched.Action], training: bool = True):
+        self.ex, self.actions, self.pos, self.training = ex, actions, 0, training
         self.inbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> received array
         self.outbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> array to send
         self.saved: dict[int, object] = {}  # micro -> residuals for the backward
@@ -59,14 +59,38 @@ class Pipeline:
         shape = (plan.micro_batch, plan.seq_len, plan.model.d_model)
         transport.connect(shape, first.boundary_dtype, {i: ex.boundary_sharding for i, ex in executors.items()})
 
-    def step(self, tokens: np.ndarray) -> float:
+    def step(self, tokens: np.ndarray | None) -> float:
         """One optimizer step on a global batch `tokens` [global_batch, seq_len + 1];
-        returns the mean loss (known on every process)."""
+        returns the mean loss (known on every process). A process that runs neither the
+        first nor the last stage reads no tokens: it may pass None."""
+        runs = [_StageRun(ex, self.schedule[i]) for i, ex in sorted(self.executors.items())]
+        self._drive(runs, tokens)
+        return self._finish(runs)
+
+    def evaluate(self, tokens: np.ndarray | None) -> float:
+        """The mean loss of `tokens` under the current parameters: forwards only (every
+        micro-batch through every stage in order), no gradients, no update."""
+        runs = [_StageRun(ex, self._forward_only(i), training=False) for i, ex in sorted(self.executors.items())]
+        self._drive(runs, tokens)
+        return self._mean_loss(runs)
+
+    def _forward_only(self, stage: int) -> list[sched.Action]:
+        first, last = stage == 0, stage == self.plan.n_stages - 1
+        actions = []
+        for k in range(self.plan.n_micro):
+            actions += ([] if first else [sched.Action(sched.RECV_ACT, k)]) + [sched.Action(sched.F, k)]
+            actions += [] if last else [sched.Action(sched.SEND_ACT, k)]
+        return actions
+
+    def _drive(self, runs: list[_StageRun], tokens: np.ndarray | None) -> None:
         plan = self.plan
         mb = plan.micro_batch
-        inputs = [tokens[k * mb:(k + 1) * mb, :-1] for k in range(plan.n_micro)]
-        labels = [tokens[k * mb:(k + 1) * mb, 1:] for k in range(plan.n_micro)]
-        runs = [_StageRun(ex, self.schedule[i]) for i, ex in sorted(self.executors.items())]
+        inputs = labels = None
+        if tokens is not None:
+            inputs = [tokens[k * mb:(k + 1) * mb, :-1] for k in range(plan.n_micro)]
+            labels = [tokens[k * mb:(k + 1) * mb, 1:] for k in range(plan.n_micro)]
+        elif any(ex.is_first or ex.is_last for ex in self.executors.values()):
+            raise ValueError("this process runs the first or the last stage: it needs the batch's tokens")
         self.transport.prepost([t for r in runs for t in r.receive_tags()])
         while not all(r.done for r in runs):
             progressed = False
@@ -81,7 +105,6 @@ class Pipeline:
                 # Blocks until the peer delivers (MPI), or reports a deadlock (local).
                 self._execute(next(r for r in runs if not r.done), inputs, labels)
         self.transport.flush()
-        return self._finish(runs)
 
     @property
     def _loss_cotangent(self) -> np.float32:
@@ -124,7 +147,9 @@ class Pipeline:
         elif a.kind == sched.F:
             x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k))
             y = ex.put_labels(labels[k]) if ex.is_last else None
-            out, run.saved[k] = ex.forward(x, y)
+            out, saved = ex.forward(x, y)
+            if run.training:
+                run.saved[k] = saved
             computed = (f"F{k}", out)
             if ex.is_last:
                 run.losses[k] = out
@@ -161,11 +186,14 @@ class Pipeline:
             if self.tracer is not None:
                 interval = r.ex.clock.last_interval if r.ex.clock is not None else None
                 self.tracer.compute(r.ex.index, "optimizer", t0, r.ex.params, None, interval)
+        self.last_grad_norm = global_norm
+        return self._mean_loss(runs)
+
+    def _mean_loss(self, runs: list[_StageRun]) -> float:
+        """The mean of the last stage's micro-batch losses, shared with every process."""
         last = self.plan.n_stages - 1
         local_losses = None
         for r in runs:
             if r.ex.is_last:
                 local_losses = [float(r.losses[k]) for k in range(self.plan.n_micro)]
-        losses = self.transport.share_from_stage(last, local_losses)
-        self.last_grad_norm = global_norm
-        return float(np.mean(losses))
+        return float(np.mean(self.transport.share_from_stage(last, local_losses)))

@@ -27,7 +27,7 @@ class ReferenceModel:
         self.graphdef = nnx.graphdef(nnx.eval_shape(build))
         with jax.default_device(device):
             self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build())))()
-            self.tx = make_optimizer(plan.optimizer)
+            self.tx = make_optimizer(plan.optimizer, plan.train)
             self.opt_state = jax.jit(self.tx.init)(self.params)
         # Committed to the device like every step's outputs, so the step compiles once (an
         # uncommitted first input is a different signature and would compile it twice).
@@ -47,12 +47,17 @@ class ReferenceModel:
 
         self.last_grad_norm = float("nan")
         self._step = jax.jit(step, donate_argnums=(0, 1))
+        self._loss = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params)(tokens[:, :-1], tokens[:, 1:]))
 
     def step(self, tokens: np.ndarray) -> float:
         tokens = jax.device_put(tokens, self.device)
         self.params, self.opt_state, loss, norm = self._step(self.params, self.opt_state, tokens)
         self.last_grad_norm = float(norm)
         return float(loss)
+
+    def evaluate(self, tokens: np.ndarray) -> float:
+        """The loss on `tokens` with the current parameters (no update)."""
+        return float(self._loss(self.params, jax.device_put(tokens, self.device)))
 
     def params_numpy(self) -> dict:
         return jax.tree.map(np.asarray, self.params)

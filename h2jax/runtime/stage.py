@@ -72,12 +72,13 @@ class StageExecutor:
     def __init__(
         self, plan: Plan, index: int, devices: list, *, precision=None, param_dtype=None,
         compute_dtype=None, clock: StageClock | None = None, check_memory: bool = True,
-        attention: str | None = None,
+        attention: str | None = None, lr_schedule=None,
     ):
         """Numerics default to the stage chip's [precision] policy and the attention kernel to
         its [kernels] choice (`attention`: one of h2jax.config.ATTENTION_KERNELS); `clock` (see
         h2jax.runtime.emulation) times each compute. The steps are compiled before anything
-        is allocated and, with `check_memory`, a stage that does not fit its chip is refused."""
+        is allocated and, with `check_memory`, a stage that does not fit its chip is refused.
+        `lr_schedule` (a function of the update count) replaces the plan's schedule."""
         stage = plan.stages[index]
         self.plan, self.index, self.stage = plan, index, stage
         self.chip: ChipType = load_chip(stage.chip)
@@ -103,7 +104,7 @@ class StageExecutor:
 
         self.graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
         self.param_sharding = param_shardings(abstract_state, self.mesh)
-        self.tx = make_optimizer(plan.optimizer)
+        self.tx = make_optimizer(plan.optimizer, plan.train, lr_schedule)
         # Optimizer moments take their parameter's layout, split over `data` as well under
         # ZeRO-1 (plan.optimizer.shard_over_data: XLA then reduce-scatters the update's
         # inputs and all-gathers the new parameters); scalars (step counts) are replicated on

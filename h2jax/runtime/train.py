@@ -15,8 +15,9 @@ from typing import Callable
 
 import numpy as np
 
-from h2jax.data import TokenDataset, stdlib_corpus
+from h2jax import names as N
 from h2jax.config import ConfigError
+from h2jax.data import TokenDataset, check_compatible, stdlib_corpus
 from h2jax.plan import Plan, load_plan
 from h2jax.runtime import ranks
 from h2jax.transport.base import Transport
@@ -33,6 +34,8 @@ class RunResult:
     emulated: dict[str, float] = dataclasses.field(default_factory=dict)  # chip type -> slowdown
     transport: dict = dataclasses.field(default_factory=dict)  # what the transport reports
     reports: bool = True  # whether this process reports progress (rank 0 of an MPI job)
+    eval_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, loss)
+    learning_rates: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def emulation_note(self) -> str:
@@ -57,14 +60,32 @@ class RunResult:
         return self.tokens_per_s / self.n_chips
 
     def summary(self) -> dict:
-        return {
-            "losses": self.losses,
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tokens_per_chip_per_s": self.tokens_per_chip_s,
-            "grad_norms": self.grad_norms,
+        out = {
+            N.LOSSES: self.losses,
+            N.STEP_TIME_S: self.step_time_s,
+            N.TOKENS_PER_S: self.tokens_per_s,
+            N.TOKENS_PER_CHIP_PER_S: self.tokens_per_chip_s,
+            N.GRAD_NORMS: self.grad_norms,
             "emulated": self.emulated,
         }
+        if self.eval_losses:
+            out[N.EVAL_LOSS] = [{N.STEP: s, N.LOSS: v} for s, v in self.eval_losses]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetrics:
+    """What one `Trainer.step` did: `step` is the number of optimizer steps taken so far."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    step_time_s: float  # host wall time of the step, from dispatch to the loss on the host
+    learning_rate: float  # the learning rate this step's update used
+
+    def to_dict(self) -> dict:
+        return {N.STEP: self.step, N.LOSS: self.loss, N.GRAD_NORM: self.grad_norm,
+                N.STEP_TIME_S: self.step_time_s, N.LEARNING_RATE: self.learning_rate}
 
 
 def default_dataset(plan: Plan) -> TokenDataset:
@@ -90,7 +111,20 @@ def place_stages(plan: Plan, stages: list[int]) -> dict[int, list]:
 
 
 class Trainer:
-    """The stages of `plan` this process runs, wired through `transport`.
+    """The stages of `plan` this process runs, wired through `transport`: the object to write
+    your own training loop with (`h2jax.Trainer`).
+
+        trainer = h2jax.Trainer(plan, steps=1000)     # steps: the learning-rate schedule's length
+        for n in range(1000):
+            m = trainer.step(batch_for(n) if trainer.needs_tokens else None)
+            print(m.loss, m.grad_norm, m.step_time_s, m.learning_rate)
+        trainer.evaluate(val_batch)                      # mean loss, forwards only
+        trainer.parameters("layer_003")                  # numpy arrays by global name
+        trainer.save("ckpt"); trainer.restore("ckpt")
+
+    The same script runs unchanged under `mpiexec`: every rank builds the Trainer, which runs
+    only that rank's stage; `needs_tokens` is false on ranks of middle stages (pass None);
+    every rank calls step/evaluate/save together; losses reach every rank.
 
     By default: in one process, every stage on its own local devices, through a
     LocalTransport; under `mpiexec`, this rank's stage (configured before JAX starts) through
@@ -101,7 +135,8 @@ class Trainer:
 
     def __init__(
         self, plan: Plan, transport: Transport | None = None, stages: list[int] | None = None,
-        devices=None, *, emulate_time: bool = True, mpi_path: str | None = None, tracer=None,
+        devices=None, *, steps: int | None = None, lr_schedule=None, emulate_time: bool = True,
+        mpi_path: str | None = None, tracer=None,
     ):
         from h2jax.cluster import load_chip
         from h2jax.runtime.emulation import ClockedTransport, StageClock
@@ -109,7 +144,13 @@ class Trainer:
         from h2jax.runtime.pipeline import Pipeline
         from h2jax.runtime.stage import StageExecutor
 
+        from h2jax.runtime.optim import learning_rate_schedule, with_schedule_length
+
+        plan = with_schedule_length(plan, steps)
         self.plan = plan
+        # `lr_schedule`: your own (a traceable function of the update count), else the plan's.
+        self.lr_schedule = lr_schedule or learning_rate_schedule(plan.optimizer, plan.train)
+        self.step_count = 0  # optimizer steps taken (restored with a checkpoint)
         self.role = ranks.process_role(plan) if ranks.in_mpi_job() else None
         if self.role is not None and stages is None:
             transport, stages, devices = self._mpi_rank_setup(transport, mpi_path)
@@ -118,6 +159,10 @@ class Trainer:
 
             transport = LocalTransport()
         self.transport = transport
+        if self.role is None and stages is None and devices is None:
+            from h2jax.runtime.jaxsetup import prepare_local_devices
+
+            prepare_local_devices(plan)  # the host devices a CPU plan needs, if JAX has not started
         stages = list(range(plan.n_stages)) if stages is None else stages
         if devices is None:
             placement = place_stages(plan, stages)
@@ -138,7 +183,8 @@ class Trainer:
             }
             self.transport = ClockedTransport(self.transport, self.clocks)
         self.executors = {
-            i: StageExecutor(plan, i, placement[i], clock=self.clocks.get(i)) for i in stages
+            i: StageExecutor(plan, i, placement[i], clock=self.clocks.get(i), lr_schedule=lr_schedule)
+            for i in stages
         }
         self.tracer = tracer
         self.pipeline = Pipeline(plan, self.transport, self.executors, tracer)
@@ -167,11 +213,81 @@ class Trainer:
     def last_grad_norm(self) -> float:
         return self.pipeline.last_grad_norm
 
-    def step(self, tokens: np.ndarray) -> float:
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether this process reads batches: it runs the first stage (inputs) or the last
+        (labels). Other processes pass None to step and evaluate."""
+        return any(ex.is_first or ex.is_last for ex in self.executors.values())
+
+    def step(self, tokens: np.ndarray | None) -> StepMetrics:
+        """One optimizer step on `tokens` [global_batch, seq_len + 1] (int); returns its loss
+        (the mean over micro-batches, on every process), the gradient norm over all stages,
+        the step time and the learning rate it used."""
+        from h2jax.runtime.optim import learning_rate_at
+
+        t0 = time.perf_counter()
         loss = self.pipeline.step(tokens)
         for clock in self.clocks.values():  # the step ends when every emulated chip is done
             clock.wait()
+        seconds = time.perf_counter() - t0
+        lr = learning_rate_at(self.lr_schedule, self.step_count)
+        self.step_count += 1
+        return StepMetrics(self.step_count, loss, self.pipeline.last_grad_norm, seconds, lr)
+
+    def evaluate(self, tokens: np.ndarray | None) -> float:
+        """The mean loss on `tokens` [global_batch, seq_len + 1] with the current parameters
+        (forwards only, no update), on every process."""
+        loss = self.pipeline.evaluate(tokens)
+        for clock in self.clocks.values():
+            clock.wait()
         return loss
+
+    def parameters(self, *prefixes: str, all_stages: bool = False) -> dict | None:
+        """{global name: numpy array} of the parameters whose names start with one of
+        `prefixes` (all when none: `embed/...`, `layer_003/...`, `head/...`), gathered off the
+        devices. A process holds its own stages' layers; `all_stages=True` collects every
+        stage's onto the job's first process (every process must call it; the others get None)."""
+        params = self.params_numpy()
+        if prefixes:
+            params = {k: v for k, v in params.items() if k.startswith(prefixes)}
+        if not all_stages:
+            return params
+        parts = self.transport.gather_to_first(params)
+        if parts is None:
+            return None
+        return {k: v for part in parts for k, v in part.items()}
+
+    def save(self, directory, *, dataset=None):
+        """Write a checkpoint of every stage at `self.step_count` under `directory` (the
+        checkpoint format of h2jax.runtime.checkpoint; every process calls it) and wait until
+        it is committed; returns its path. `dataset` records which data (and tokenizer) it
+        trained on, so that `restore` can refuse data made with another tokenizer."""
+        from h2jax.runtime.checkpoint import CheckpointWriter, TransportWorld, checkpoint_meta
+
+        where = getattr(dataset, "directory", getattr(dataset, "path", None))
+        meta = checkpoint_meta(self.plan, self.step_count, data_path=None if where is None else str(where))
+        meta["data"]["tokenizer_sha256"] = getattr(dataset, "tokenizer_sha256", None)
+        writer = CheckpointWriter(directory, world=TransportWorld(self.transport, self.executors, self.plan.n_stages))
+        writer.save(self.step_count, self.executors, meta)
+        path = writer.wait()
+        writer.close()
+        writer.world.all_done(True)  # collective: no process goes on before the commit
+        return path
+
+    def restore(self, directory, step: int | None = None, *, dataset=None) -> dict:
+        """Load this process's stages (parameters, optimizer state) from the newest (or the
+        given `step`) checkpoint in `directory`, written by any plan of the same model;
+        continues from its step (batch `step` is the next: data resumes where it was).
+        `dataset`, when given, must use the checkpoint's tokenizer. Returns its metadata."""
+        from h2jax.runtime.checkpoint import open_checkpoint
+
+        ckpt = open_checkpoint(directory, self.plan, step=step, stages=list(self.executors))
+        if dataset is not None:
+            check_compatible(dataset, self.plan.model.vocab_size, ckpt.meta["data"].get("tokenizer_sha256"))
+        for ex in self.executors.values():
+            ckpt.restore(ex)
+        self.step_count = ckpt.step
+        return ckpt.meta
 
     def params_numpy(self) -> dict:
         """{global parameter name: numpy array} of the stages this process runs; a stage that
@@ -200,37 +316,124 @@ class Trainer:
         self.transport.close()
 
 
+class _Reference:
+    """The unpipelined reference behind the Trainer's step/evaluate interface."""
+
+    needs_tokens = True
+
+    def __init__(self, plan: Plan):
+        from h2jax.runtime.optim import learning_rate_schedule
+        from h2jax.runtime.reference import ReferenceModel
+
+        self.plan, self.model = plan, ReferenceModel(plan)
+        self.lr_schedule = learning_rate_schedule(plan.optimizer, plan.train)
+        self.step_count = 0
+
+    def step(self, tokens: np.ndarray) -> StepMetrics:
+        from h2jax.runtime.optim import learning_rate_at
+
+        t0 = time.perf_counter()
+        loss = self.model.step(tokens)
+        seconds = time.perf_counter() - t0
+        lr = learning_rate_at(self.lr_schedule, self.step_count)
+        self.step_count += 1
+        return StepMetrics(self.step_count, loss, self.model.last_grad_norm, seconds, lr)
+
+    def evaluate(self, tokens: np.ndarray) -> float:
+        return self.model.evaluate(tokens)
+
+
+def _stage_figures(trainer: Trainer, seen: int, step_time_s: float) -> tuple[dict, int]:
+    """Per stage (pipeline order, on the reporting process): the fraction of the last step
+    each stage computed (from the tracer's events since index `seen`) and its compiled memory.
+    A collective: every process calls it at the same steps."""
+    busy: dict[int, float] = {}
+    if trainer.tracer is not None:
+        trainer.tracer.drain()
+        events = trainer.tracer.events[seen:]
+        seen += len(events)
+        for e in events:
+            if e.lane == "compute":
+                busy[e.stage] = busy.get(e.stage, 0.0) + e.duration_s
+    local = {i: (min(busy.get(i, 0.0) / step_time_s, 1.0) if trainer.tracer is not None else None,
+                 ex.memory.needed_bytes if ex.memory is not None else None)
+             for i, ex in trainer.executors.items()}
+    parts = trainer.transport.gather_to_first(local)
+    if parts is None:
+        return {}, seen
+    merged = {i: v for part in parts for i, v in part.items()}
+    stages = range(trainer.plan.n_stages)
+    out: dict = {N.STAGE_MEMORY_BYTES: [merged.get(i, (None, None))[1] for i in stages]}
+    if trainer.tracer is not None:
+        out[N.STAGE_BUSY_FRACTION] = [merged[i][0] for i in stages]
+        out[N.STAGE_IDLE_FRACTION] = [1.0 - merged[i][0] for i in stages]
+    return out, seen
+
+
 def train(
-    step_fn: Callable[[np.ndarray], float],
+    learner,
     plan: Plan,
-    dataset: TokenDataset,
+    dataset,
     steps: int,
     start_step: int = 0,
     on_step: Callable[[int, float, float], None] | None = None,
-    grad_norm: Callable[[], float] | None = None,
-) -> tuple[list[float], list[float], list[float]]:
-    losses, times, norms = [], [], []
+    *,
+    on_eval: Callable[[int, float], None] | None = None,
+    writer=None,
+    stage_figures: Callable[[float], dict] | None = None,
+    n_chips: int | None = None,
+) -> tuple[list[float], list[float], list[float], list[float], list[tuple[int, float]]]:
+    """The training loop: `learner` (a Trainer, or the reference) takes `steps` steps on
+    batches `start_step`, ... of `dataset`; every `plan.train.eval_every` steps (and after the
+    last) it evaluates `plan.train.eval_batches` validation batches; every
+    `plan.train.log_every` steps (and after the last) `writer` (h2jax.metrics.MetricsWriter,
+    on the reporting process only) gets a record. Every process runs the same iterations.
+    Returns (losses, step times, grad norms, learning rates, [(step, eval loss)])."""
+    from h2jax.metrics import perplexity, throughput
+
+    losses, times, norms, lrs, evals = [], [], [], [], []
+    t = plan.train
     for n in range(start_step, start_step + steps):
-        tokens = dataset.batch(n, plan.global_batch)
-        t0 = time.perf_counter()
-        loss = step_fn(tokens)  # returns a Python float: the step has finished
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-        if grad_norm is not None:
-            norms.append(grad_norm())
+        tokens = dataset.batch(n, plan.global_batch) if learner.needs_tokens else None
+        m = learner.step(tokens)  # returns once the loss is on the host: the step has finished
+        losses.append(m.loss)
+        times.append(m.step_time_s)
+        norms.append(m.grad_norm)
+        lrs.append(m.learning_rate)
         if on_step is not None:
-            on_step(n, loss, times[-1])
-    return losses, times, norms
+            on_step(n, m.loss, m.step_time_s)
+        done, last = n + 1, n == start_step + steps - 1
+        if t.eval_every and (done % t.eval_every == 0 or last):
+            loss = float(np.mean([
+                learner.evaluate(dataset.val_batch(i, plan.global_batch) if learner.needs_tokens else None)
+                for i in range(t.eval_batches)
+            ]))
+            evals.append((done, loss))
+            if on_eval is not None:
+                on_eval(n, loss)
+            if writer is not None:
+                writer.write(done, {N.EVAL_LOSS: loss, N.EVAL_PERPLEXITY: perplexity(loss)})
+        if done % t.log_every == 0 or last:
+            record = stage_figures(m.step_time_s) if stage_figures is not None else {}
+            if writer is not None:
+                writer.write(done, {
+                    N.LOSS: m.loss, N.GRAD_NORM: m.grad_norm, N.LEARNING_RATE: m.learning_rate,
+                    N.STEP_TIME_S: m.step_time_s, **throughput(plan, m.step_time_s, n_chips),
+                    N.TOKENS_SEEN: done * plan.tokens_per_step, **record,
+                })
+    return losses, times, norms, lrs, evals
 
 
 def run(
     plan: Plan | str,
     steps: int = 10,
     *,
-    dataset: TokenDataset | None = None,
+    dataset=None,
     transport: Transport | None = None,
     unpipelined: bool = False,
     on_step: Callable[[int, float, float], None] | None = None,
+    on_eval: Callable[[int, float], None] | None = None,
+    log_dir: str | None = None,
     return_params: bool = False,
     emulate_time: bool = True,
     mpi_path: str | None = None,
@@ -242,8 +445,25 @@ def run(
     yet). Under `mpiexec` every rank calls it: each configures itself for its own stage and
     trains it with the others; any failure aborts the whole job. `unpipelined=True` runs the
     reference (one jitted function on one device). `trace` writes a Chrome/Perfetto trace of
-    the run (under MPI every rank's events, gathered into one file by rank 0)."""
+    the run (under MPI every rank's events, gathered into one file by rank 0). `dataset`: a
+    TokenDataset or PreparedDataset (h2jax.data.open_dataset), default the stdlib corpus;
+    `plan.train` sets the learning-rate schedule, evaluation and logging; `log_dir` receives
+    metrics (JSONL and TensorBoard, h2jax.metrics) from the reporting process."""
+    from h2jax.runtime.optim import learning_rate_schedule, with_schedule_length
+
     plan = load_plan(plan) if isinstance(plan, str) else plan
+    plan = with_schedule_length(plan, steps)
+    learning_rate_schedule(plan.optimizer, plan.train)  # a bad schedule fails before JAX starts
+    dataset = dataset or default_dataset(plan)
+    check_compatible(dataset, plan.model.vocab_size)
+    if plan.train.eval_every and not getattr(dataset, "has_val", False):
+        raise ConfigError(
+            f"train.eval_every ({plan.train.eval_every}) evaluates on a validation split, which this "
+            "dataset lacks; give --data a directory from `h2jax data prepare` with --val-fraction > 0 "
+            "(and a split of at least seq_len + 2 tokens), or set train.eval_every to 0"
+        )
+    args = (plan, steps, dataset, transport, on_step, on_eval, log_dir, return_params, emulate_time,
+            mpi_path, trace)
     if not ranks.in_mpi_job():
         from h2jax.runtime.jaxsetup import prepare_local_devices
 
@@ -254,46 +474,70 @@ def run(
                 force_cpu_devices(1)
         else:
             prepare_local_devices(plan)
-        return _run(plan, steps, dataset, transport, unpipelined, on_step, return_params,
-                    emulate_time, mpi_path, trace)
+        return _run(unpipelined, *args)
     if unpipelined:
         raise ConfigError("--unpipelined runs the whole model in one process; launch it without mpiexec")
     role = ranks.process_role(plan)
     with ranks.abort_on_failure(label=role.label):
-        return _run(plan, steps, dataset, transport, False, on_step, return_params, emulate_time,
-                    mpi_path, trace)
+        return _run(False, *args)
 
 
-def _run(plan, steps, dataset, transport, unpipelined, on_step, return_params, emulate_time,
-         mpi_path, trace) -> RunResult:
-    dataset = dataset or default_dataset(plan)
+def _metrics_writer(log_dir, plan: Plan, dataset, n_chips: int, emulated: dict):
+    if log_dir is None:
+        return None
+    from h2jax.metrics import MetricsWriter
+
+    manifest = getattr(dataset, "manifest", None)
+    info = {"plan": plan.to_dict(), "n_chips": n_chips, "emulated": emulated,
+            "dataset": str(getattr(dataset, "directory", getattr(dataset, "path", ""))),
+            "tokenizer": manifest.tokenizer if manifest is not None else {"spec": "bytes (raw token file)"}}
+    return MetricsWriter(log_dir, info)
+
+
+def _run(unpipelined, plan, steps, dataset, transport, on_step, on_eval, log_dir, return_params,
+         emulate_time, mpi_path, trace) -> RunResult:
     if unpipelined:
-        from h2jax.runtime.reference import ReferenceModel
-
-        model = ReferenceModel(plan)
-        losses, times, norms = train(
-            model.step, plan, dataset, steps, on_step=on_step, grad_norm=lambda: model.last_grad_norm
-        )
+        ref = _Reference(plan)
+        writer = _metrics_writer(log_dir, plan, dataset, 1, {})
+        try:
+            losses, times, norms, lrs, evals = train(ref, plan, dataset, steps, on_step=on_step,
+                                                     on_eval=on_eval, writer=writer, n_chips=1)
+        finally:
+            if writer is not None:
+                writer.close()
         params = None
         if return_params:
             from h2jax.sharding import flatten_params
 
-            params = flatten_params(model.params_numpy())
-        return RunResult(losses, times, plan.tokens_per_step, 1, params, norms)
+            params = flatten_params(ref.model.params_numpy())
+        return RunResult(losses, times, plan.tokens_per_step, 1, params, norms,
+                         eval_losses=evals, learning_rates=lrs)
     from h2jax.runtime.tracing import StepTracer
 
     trainer = Trainer(plan, transport, emulate_time=emulate_time, mpi_path=mpi_path,
-                      tracer=StepTracer() if trace else None)
-    losses, times, norms = train(
-        trainer.step, plan, dataset, steps, on_step=on_step if trainer.reports else None,
-        grad_norm=lambda: trainer.last_grad_norm,
-    )
+                      tracer=StepTracer() if trace or log_dir else None)
+    writer = _metrics_writer(log_dir, plan, dataset, plan.n_devices, trainer.emulated) if trainer.reports else None
+    seen = [0]
+
+    def stage_figures(step_time_s: float) -> dict:
+        out, seen[0] = _stage_figures(trainer, seen[0], step_time_s)
+        return out
+
+    try:
+        losses, times, norms, lrs, evals = train(
+            trainer, plan, dataset, steps, on_step=on_step if trainer.reports else None,
+            on_eval=on_eval if trainer.reports else None, writer=writer,
+            stage_figures=stage_figures if log_dir else None,
+        )
+    finally:
+        if writer is not None:
+            writer.close()
     if trace:
         write_run_trace(trainer, trace)
     result = RunResult(
         losses, times, plan.tokens_per_step, plan.n_devices,
         trainer.params_numpy() if return_params else None, norms, trainer.emulated,
-        trainer.describe_transport(), trainer.reports,
+        trainer.describe_transport(), trainer.reports, evals, lrs,
     )
     trainer.close()
     return result
