@@ -7,9 +7,12 @@ Rank 0 is a (data=1, tensor=tensor_src) stage, rank 1 a (data=1, tensor=tensor_d
 each on its own CPU devices; an activation [micro_batch, seq, d_model] (f32) moves from the
 first to the second through the MPI transport, with `reshard_plan` (each receiving device
 gets only its d_model block) or `broadcast_plan` (each receiving device gets the whole
-slice). Bytes are counted by the receiving transport (what MPI delivered); time is rank 0's,
-from a barrier to the receiver's acknowledgement that the jax.Array is assembled (median).
-Expected byte ratio broadcast / topology-aware: tensor_dst. Prints one JSON object.
+slice). Bytes across are the transports' own counters: what the sender handed to MPI and what
+MPI reports it delivered to the receiver, each checked against the plan's total; the counters
+also say how many pieces went as strided MPI datatypes (no packing copy) and how many bytes
+either end copied (the naive receiver cuts its block out of the slice it got). Time is rank
+0's, from a barrier to the receiver's acknowledgement that the jax.Array is assembled
+(median). Expected byte ratio broadcast / topology-aware: tensor_dst. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -88,16 +91,28 @@ def main() -> int:
                 if rep:
                     times.append(time.perf_counter() - t0)
                 step += 1
-            received = comm.bcast(transport.describe() if rank == 1 else None, root=1)
-            per_message = received["bytes_received"] // received["recvs"]
+            # What crossed, from the transports' own counters: the bytes the sender handed to
+            # MPI and the bytes MPI reports it delivered to the receiver, per message.
+            sender, receiver = comm.allgather(transport.describe())
+            sent = sender["bytes_sent"] // sender["sends"]
+            delivered = receiver["bytes_received"] // receiver["recvs"]
             src = reshard.Layout(1, t_src)
             dst = reshard.Layout(1, t_dst)
             plan_fn = reshard.reshard_plan if mode == "topology" else reshard.broadcast_plan
             transfers = plan_fn(src, dst, shape, 4)
-            assert per_message == reshard.total_bytes(transfers)
+            planned = reshard.total_bytes(transfers)
+            if not sent == delivered == planned:
+                raise SystemExit(f"{mode} {t_src}->{t_dst}: sent {sent} B, MPI delivered {delivered} B, "
+                                 f"the plan moves {planned} B per message")
             row[mode] = {
-                "bytes_across": per_message,
+                "bytes_across": delivered,
+                "bytes_planned": planned,
+                "bytes_sent": sent,
                 "messages": len(transfers),
+                "strided_pieces_sent": sender["send_pieces_strided"] // sender["sends"],
+                "strided_pieces_received": receiver["recv_pieces_strided"] // receiver["recvs"],
+                "bytes_copied_sender": sender["send_copy_bytes"] // sender["sends"],
+                "bytes_copied_receiver": receiver["recv_copy_bytes"] // receiver["recvs"],
                 "median_ms": round(1e3 * statistics.median(times), 3) if rank == 0 else None,
                 "gib_s_of_activation": round(nbytes / statistics.median(times) / (1 << 30), 3) if rank == 0 else None,
             }
@@ -116,6 +131,7 @@ def main() -> int:
             "shape": list(shape),
             "dtype": "float32",
             "note": "both stages share one host: 'bytes_across' is what would cross the inter-stage link",
+            "load_average_1_5_15_min": [round(v, 2) for v in os.getloadavg()],
             "pairs": rows,
             "byte_ratio_matches_tensor_dst": all(
                 r["byte_ratio_broadcast_over_topology"] == r["expected_byte_ratio"] for r in rows
