@@ -172,6 +172,11 @@ def test_dry_run_prints_the_expected_command_files_and_rank_table(name, argv, en
     assert not (HERE / "hetero.launch").exists()  # a dry run writes nothing
 
 
+def test_launch_refuses_a_plan_without_hosts(capsys):
+    assert cli_main(["launch", "--plan", str(Path(__file__).parent.parent / "plans" / "demo.json"), "--dry-run"]) == 2
+    assert "stages[0] records no hosts; plan with a cluster file whose groups list `hosts`" in capsys.readouterr().err
+
+
 def test_slurm_refuses_hosts_outside_the_allocation():
     plan = plan_from_dict(json.loads((HERE / "hetero.json").read_text()))
     with pytest.raises(ConfigError, match="runs ranks on mi300x-07, tpu-v5e-0, ascend-a1, which the SLURM allocation"):
