@@ -226,7 +226,9 @@ def test_a_receive_never_waits_on_the_compute_behind_queued_sends():
     proc, _ = mpiexec(2, "recv_order.py", timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("ORDER-OK "))
-    receiver = next(r for r in json.loads(line[len("ORDER-OK "):]) if r["stage"] == 1)
+    reports = json.loads(line[len("ORDER-OK "):])
+    receiver = next(r for r in reports if r["stage"] == 1)
+    assert next(r for r in reports if r["stage"] == 0)["refused"]  # a value off the connected layout
     # 1. an arrived message is handed over with no wait at all
     assert receiver["arrived_waited"] == 0 and receiver["arrived_naps"] == 0
     # 2. and 3. the receives that did wait polled; the third opened its gate by polling

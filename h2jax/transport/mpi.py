@@ -198,7 +198,6 @@ class _Region:
             self.datatype = None
 
 
-
 class _BufferPool:
     """Aligned host buffers, reused once nothing else holds them.
 
@@ -301,7 +300,6 @@ class _Route:
                       for p in local_positions if p in self.buffers]
         self.broadcast = any(b != k for b, k in self.buffers.values())  # buffers larger than blocks
         self.nbytes_sent = sum(r.nbytes for _, _, r in self.sends)
-        self.nbytes_received = sum(r.nbytes for _, _, r in self.recvs)
         self.strided_sends = sum(r.strided for _, _, r in self.sends)
         self.strided_recvs = sum(r.strided for _, _, r in self.recvs)
         self.sent = 0  # messages
@@ -362,7 +360,7 @@ class MPITransport(Transport):
         self._routes: dict[tuple[str, int], _Route] = {}
         self._sending: dict[tuple[str, int], _Route] = {}  # the routes this rank sends on
         self._receiving: dict[tuple[str, int], _Route] = {}
-        self._pending_sends: list[tuple[_Route, int, object]] = []  # queued until computed
+        self._pending_sends: list[tuple[_Route, int, object, bool]] = []  # queued until computed
         self._inflight: collections.deque = collections.deque()  # (requests, value, buffers)
         self._pool = _BufferPool()  # receive buffers
         self._send_pool = _BufferPool()  # staging buffers of the staged path on host arrays
@@ -532,9 +530,20 @@ class MPITransport(Transport):
         if route is None:
             raise self._no_route(tag, "sent")
         code = self._code(tag, route)
+        by_device = self._by_device
+        if value.sharding != self._sharding or value.shape != self.shape or value.dtype != self.dtype:
+            # MPI reads the shards by address: anything but the connected layout would be read wrong.
+            if value.shape != self.shape or value.dtype != self.dtype or not value.sharding.is_equivalent_to(
+                    self._sharding, len(self.shape)):
+                raise ValueError(
+                    f"{tag}: the value is {value.dtype}{list(value.shape)} on {value.sharding}, but this "
+                    f"transport was connected for {self.dtype}{list(self.shape)} on {self._sharding}; send "
+                    "arrays on the layout given to connect()"
+                )
+            by_device = True  # an equivalent layout may order its devices differently
         if self.path == "staged" and not self._host_memory:
             value.copy_to_host_async()  # the one device-to-host copy starts once it is computed
-        self._pending_sends.append((route, code, value))
+        self._pending_sends.append((route, code, value, by_device))
         self._progress()
 
     def _send_buffer(self, data):
@@ -552,8 +561,8 @@ class MPITransport(Transport):
             return host
         return np.asarray(data).view(unsigned)  # the copy copy_to_host_async started
 
-    def _start_send(self, route: _Route, code: int, value) -> None:
-        if self._by_device:
+    def _start_send(self, route: _Route, code: int, value, by_device: bool) -> None:
+        if by_device:
             data = {s.device: s.data for s in value.addressable_shards}
             shards = [data[d] for d in self._local]
             buffers = {i: self._send_buffer(shards[i]) for i in route.send_shards}

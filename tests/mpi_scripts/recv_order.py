@@ -89,8 +89,14 @@ def check(array, k, kind):
 
 report = {"rank": role.rank, "stage": s}
 if s == 0:
-    for k in (0, 1):
-        transport.send(Tag(ACT, 0, k), put(k, ACT))
+    try:  # MPI reads shards by address: a value off the connected layout is refused
+        transport.send(Tag(ACT, 0, 9), jax.device_put(np.zeros((2, 4, 4), np.float32), layout))
+        raise AssertionError("a value of another shape was sent")
+    except ValueError as e:
+        report["refused"] = "transport was connected for float32[2, 4, 8]" in str(e)
+    transport.send(Tag(ACT, 0, 0), put(0, ACT))
+    # An equivalent layout (unsplit on this 1-device mesh) is accepted.
+    transport.send(Tag(ACT, 0, 1), jax.device_put(value(1, ACT), NamedSharding(mesh, P())).block_until_ready())
     transport.flush()
     for k in (0, 1):
         check(transport.recv(Tag(GRAD, 0, k)), k, GRAD)
