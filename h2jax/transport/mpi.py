@@ -682,6 +682,8 @@ class MPITransport(Transport):
         import jax
 
         if not self._host_memory and self.path == "direct":
+            if route.broadcast:  # naive broadcast: each device keeps its block (a device copy)
+                buffers = [b[trim] for b, trim in zip(buffers, route.trims)]
             return jax.make_array_from_single_device_arrays(self.shape, self._sharding, buffers)
         copy = self.path == "staged"
         if route.broadcast:  # naive broadcast (benchmarks only): each device keeps its block
