@@ -29,6 +29,9 @@ def corpus(tmp_path_factory):
             fh.write(json.dumps({"text": text, "id": 1}) + "\n")
         fh.write("\n")  # blank lines are skipped
     (root / ".hidden").write_text("never read")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "doc0.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0binary")
+    (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
     # expand_inputs sorts a directory's files: doc0, doc1, doc2, more.jsonl
     return root, DOCS + JSONL_DOCS
 
@@ -62,7 +65,8 @@ def test_bytes_round_trip(corpus, tmp_path):
     assert m.dtype == "uint16" and m.vocab_size == 256 and m.documents == len(docs)
     assert m.n_tokens == sum(len(d.encode()) for d in docs) + len(docs)  # one end-of-text each
     assert m.val_tokens == round(0.1 * m.n_tokens) and m.train_tokens + m.val_tokens == len(tokens)
-    assert m.input_bytes == sum(f.stat().st_size for f in root.iterdir() if not f.name.startswith("."))
+    assert m.input_bytes == sum(f.stat().st_size for f in root.iterdir()
+                                if f.suffix in (".txt", ".jsonl"))  # not hidden, cache or binary files
 
 
 def test_trained_bpe_round_trips_and_compresses(corpus, bpe_dir):

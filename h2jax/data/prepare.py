@@ -1,6 +1,7 @@
 """`h2jax data prepare`: text files -> token shards + manifest.
 
-Inputs are files, directories (every non-hidden file below, sorted) or globs. A `.jsonl` file
+Inputs are files, directories (every text file below, sorted; hidden files, `__pycache__`
+and binary files are skipped) or globs. A `.jsonl` file
 holds one document per line (its `text` field); any other file is one UTF-8 document. Every
 document is followed by the tokenizer's end-of-text id, so the shards decode back to the
 input documents exactly.
@@ -33,8 +34,7 @@ def expand_inputs(specs: Sequence[str]) -> list[Path]:
     for spec in specs:
         p = Path(spec)
         if p.is_dir():
-            found = [f for f in sorted(p.rglob("*")) if f.is_file()
-                     and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            found = [f for f in sorted(p.rglob("*")) if f.is_file() and not _skipped(f.relative_to(p), f)]
         elif p.is_file():
             found = [p]
         else:
@@ -44,6 +44,15 @@ def expand_inputs(specs: Sequence[str]) -> list[Path]:
         files.extend(found)
     seen: set[Path] = set()
     return [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
+
+
+def _skipped(relative: Path, f: Path) -> bool:
+    """Inside a directory: hidden files and folders, `__pycache__`, and binary files (a NUL
+    byte in the first 8 KiB) are not text to train on. A file named explicitly is never skipped."""
+    if any(part.startswith(".") or part == "__pycache__" for part in relative.parts):
+        return True
+    with open(f, "rb") as fh:
+        return b"\0" in fh.read(8192)
 
 
 def iter_documents(files: Iterable[Path], text_field: str = "text") -> Iterator[tuple[str, int]]:
