@@ -221,3 +221,14 @@ def test_fused_attention_plans_llama_100b_with_less_recomputation():
         fits[attention] = [t.mem.total_bytes(s.n_layers) <= t.mem.capacity for t, s in zip(terms, keep_all.stages)]
     assert all(fits["fused"])
     assert not fits["xla"][0] and not all(fits["xla"])
+
+
+def test_cudnn_kernel_refuses_head_dims_it_cannot_run():
+    from h2jax.plan import Mesh, Plan, Stage
+    from h2jax.runtime.stage import StageExecutor
+
+    model = ModelConfig(vocab_size=64, d_model=24, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=32)  # head dim 6
+    plan = Plan(model, 16, 1, 1, (Stage("cpu", Mesh(), (0, 1)),))
+    with pytest.raises(ConfigError, match=r"stages\[0\] \(chip cpu\): cuDNN's fused attention needs a head dim "
+                                          r"\(d_model / n_heads = 6\).*\[kernels\] attention = \"xla\""):
+        StageExecutor(plan, 0, jax.devices()[:1], attention="cudnn")

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from h2jax import schedule as sched
 from h2jax.cluster import ChipType, load_chip
+from h2jax.config import ConfigError
 from h2jax.model import StageModel
 from h2jax.plan import Plan
 from h2jax.runtime.emulation import StageClock
@@ -87,6 +88,14 @@ class StageExecutor:
         self.param_dtype = _dtype(param_dtype or numerics.param_dtype)
         self.compute_dtype = _dtype(compute_dtype or numerics.compute_dtype)
         self.attention = attention or self.chip.attention_kernel
+        head_dim = plan.model.head_dim
+        if self.attention == "cudnn" and (head_dim % 8 or head_dim > 256):
+            # cuDNN's flash kernel takes head dims that are multiples of 8 up to 256 (128 before Hopper)
+            raise ConfigError(
+                f"stages[{index}] (chip {stage.chip}): cuDNN's fused attention needs a head dim "
+                f"(d_model / n_heads = {head_dim}) that is a multiple of 8 and at most 256; set "
+                f"[kernels] attention = \"xla\" in the chip file {stage.chip}.toml or change the model"
+            )
         self.boundary_dtype = _dtype(boundary_dtype(plan))
         self.clock = clock
         self.is_first, self.is_last = index == 0, index == plan.n_stages - 1
