@@ -1,0 +1,156 @@
+"""Planner properties on hundreds of random clusters: 2-4 chip types, both schedules, tight
+memory so that "no plan fits" is a common answer, not a corner.
+
+- the fast search equals exhaustive enumeration, including on which clusters nothing fits;
+- every plan it returns is well formed: stage lists in pipeline order (more memory first),
+  no chip type used beyond its count, layers covering the model, micro-batches dividing the
+  global batch, memory per stage within the chip's;
+- metamorphic: more memory on every chip, or more chips of a type, is never slower (the old
+  plan is still in the space), and what fits keeps fitting.
+
+The spaces are kept small (a few chips per type, one model of 4 layers, a drawn subset of the
+recompute policies and micro-batch sizes) so that the exhaustive reference stays fast.
+"""
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision
+from h2jax.config import PRESETS
+from h2jax.planner import PlannerError, top_k
+
+SCHEDULES = ["1f1b", "gpipe"]
+TIGHT = 0.1  # a memory scale under which about half of the clusters cannot hold the model
+
+
+@st.composite
+def clusters(draw, n_types, max_count):
+    scale = draw(st.sampled_from([TIGHT, 1.0]))
+    groups = []
+    for i in range(n_types):
+        chip = ChipType(
+            name=f"chip{i}",
+            platform="cpu",
+            memory_gib=scale * draw(st.sampled_from([0.004, 0.008, 0.016, 0.05, 1.0])),
+            peak_tflops=draw(st.sampled_from([0.1, 0.3, 1.0, 2.5])),
+            chips_per_node=draw(st.sampled_from([1, 2, 4])),
+            intra_node_gbps=draw(st.sampled_from([5.0, 50.0])),
+            inter_node_gbps=draw(st.sampled_from([0.5, 2.0, 10.0])),
+            source="hypothesis",
+            precision=Precision("float32", draw(st.sampled_from(["float32", "bfloat16"]))),
+        )
+        groups.append(ChipGroup(chip, draw(st.integers(1, max_count))))
+    return Cluster(tuple(groups), name="random")
+
+
+# 2 types of up to 8 chips, 3 of up to 4, 4 of up to 2 or 3: the exhaustive search's space
+# grows with types x counts; these stay under ~0.1 s each on an idle core.
+any_cluster = st.one_of(clusters(2, 8), clusters(3, 4), clusters(4, 2), clusters(4, 3))
+search_args = st.fixed_dictionaries({
+    "seq_len": st.sampled_from([32, 128]),
+    "global_batch": st.sampled_from([2, 4, 6, 8]),
+    "schedule": st.sampled_from(SCHEDULES),
+    "recompute": st.sampled_from([("none",), ("full",), ("none", "selective", "full")]),
+    "micro_batches": st.sampled_from([(1,), (1, 2), None]),
+})
+
+MODEL = "tiny"
+SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+def best(cluster, exhaustive=False, **kwargs):
+    """(candidate, stats), or (None, message) when no plan fits."""
+    try:
+        (cand,), stats = top_k(cluster, MODEL, exhaustive=exhaustive, **kwargs)
+    except PlannerError as e:
+        return None, str(e)
+    return cand, stats
+
+
+def check_well_formed(cand, cluster, kwargs):
+    cfg = PRESETS[MODEL]
+    used = {}
+    for o in cand.options:
+        used[o.chip] = used.get(o.chip, 0) + o.stages * o.data * o.tensor
+        assert o.recompute in kwargs["recompute"]
+        assert cluster.chips[o.chip].chips_per_node % o.tensor == 0  # tensor parallel within a node
+    for chip, n in used.items():
+        assert n <= cluster.counts[chip], (chip, n, cluster.counts[chip])
+    # more memory first in the pipeline
+    mem = [cluster.chips[o.chip].usable_memory_gib for o in cand.options]
+    assert mem == sorted(mem, reverse=True)
+    assert len(cand.layers) == sum(o.stages for o in cand.options)
+    assert sum(cand.layers) == cfg.n_layers and min(cand.layers) >= 1
+    assert kwargs["global_batch"] % cand.micro_batch == 0
+    if kwargs["micro_batches"] is not None:
+        assert cand.micro_batch in kwargs["micro_batches"]
+    # the data axis splits each micro-batch evenly
+    assert all(cand.micro_batch % o.data == 0 for o in cand.options)
+
+
+@settings(max_examples=160, **SETTINGS)
+@given(cluster=any_cluster, kwargs=search_args)
+def test_fast_search_equals_exhaustive_on_random_clusters(cluster, kwargs):
+    fast, fast_info = best(cluster, **kwargs)
+    full, full_info = best(cluster, exhaustive=True, **kwargs)
+    assert (fast is None) == (full is None), (fast_info, full_info)
+    if fast is None:
+        assert "no plan fits" in fast_info and "no plan fits" in full_info
+        return
+    assert fast.time_s == pytest.approx(full.time_s, rel=1e-9)
+    assert fast_info.proved_optimal
+    assert fast_info.plans_evaluated <= full_info.plans_evaluated
+    check_well_formed(fast, cluster, kwargs)
+    check_well_formed(full, cluster, kwargs)
+
+
+def scaled_memory(cluster, factor):
+    return Cluster(tuple(ChipGroup(dataclasses.replace(g.chip, memory_gib=g.chip.memory_gib * factor), g.count)
+                         for g in cluster.groups), cluster.name)
+
+
+def more_chips(cluster, index, extra):
+    groups = list(cluster.groups)
+    groups[index] = ChipGroup(groups[index].chip, groups[index].count + extra)
+    return Cluster(tuple(groups), cluster.name)
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(cluster=any_cluster, kwargs=search_args, factor=st.sampled_from([2.0, 10.0]))
+def test_more_memory_everywhere_is_never_slower(cluster, kwargs, factor):
+    """Scaling every chip type's memory keeps the pipeline order and every plan that fitted."""
+    before, _ = best(cluster, **kwargs)
+    after, info = best(scaled_memory(cluster, factor), **kwargs)
+    if before is None:
+        return
+    assert after is not None, info
+    assert after.time_s <= before.time_s * (1 + 1e-9)
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(cluster=any_cluster, kwargs=search_args, data=st.data())
+def test_more_chips_of_a_type_is_never_slower(cluster, kwargs, data):
+    """Chips may be left unused, so the old optimum is still in the larger space."""
+    index = data.draw(st.integers(0, len(cluster.groups) - 1))
+    extra = data.draw(st.integers(1, 2))
+    before, _ = best(cluster, **kwargs)
+    after, info = best(more_chips(cluster, index, extra), **kwargs)
+    if before is None:
+        return
+    assert after is not None, info
+    assert after.time_s <= before.time_s * (1 + 1e-9)
+
+
+def test_the_random_clusters_include_both_answers():
+    """The strategies above reach the 'no plan fits' branch and feasible plans alike, with
+    2, 3 and 4 chip types (a fixed sample of them, drawn once)."""
+    from hypothesis import Phase, find
+
+    args = dict(seq_len=128, global_batch=8, schedule="1f1b", recompute=("none",), micro_batches=(1,))
+    quick = settings(max_examples=50, phases=(Phase.generate,), database=None, **SETTINGS)
+    for n_types, max_count in [(2, 8), (3, 4), (4, 2)]:
+        find(clusters(n_types, max_count), lambda c: best(c, **args)[0] is None, settings=quick)
+        find(clusters(n_types, max_count), lambda c: best(c, **args)[0] is not None, settings=quick)
