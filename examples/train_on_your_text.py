@@ -1,6 +1,6 @@
 """From a folder of text files to a trained model, its metrics and its loss plot.
 
-    python examples/train_on_your_text.py MY_TEXT_DIR [--out runs/mine] [--steps 200]
+    python examples/train_on_your_text.py MY_TEXT_DIR [--out runs/mine] [--steps 150]
 
 1. `h2jax data prepare`: trains a byte-level BPE on the folder (offline) and writes token
    shards + manifest, holding 5% back for validation.
@@ -14,7 +14,7 @@ Without a folder it uses the Python standard library's `json`, `email` and `http
 The same three steps on the command line:
 
     h2jax data prepare --input MY_TEXT_DIR --tokenizer train-bpe:1024 --out OUT/data --val-fraction 0.05
-    h2jax run --plan OUT/plan.json --data OUT/data --steps 200 --log-dir OUT/logs
+    h2jax run --plan OUT/plan.json --data OUT/data --steps 150 --log-dir OUT/logs
     h2jax plot OUT/logs
 """
 
@@ -45,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("text", nargs="*", help="folders / files / globs of text (default: some stdlib packages)")
     ap.add_argument("--out", default="runs/your-text", help="output folder (replaced)")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary to train")
     args = ap.parse_args()
 

@@ -169,3 +169,30 @@ def test_cli_flags_override_the_train_section():
     args.log_every = 0
     with pytest.raises(ConfigError, match="train.log_every must be an integer >= 1"):
         with_overrides(plan, args)
+
+
+@pytest.mark.slow
+def test_train_on_your_text_example_end_to_end(tmp_path):
+    """The example's three steps on a small folder: dataset, trained model, metrics, plot."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import TEST_XLA_FLAGS, checkout_env
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "string.py", "json/decoder.py"):
+        (texts / name.replace("/", "_")).write_text((stdlib / name).read_text())
+    env = checkout_env({**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS})
+    env.pop("JAX_PLATFORMS", None)
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_on_your_text.py"
+    proc = subprocess.run([sys.executable, str(example), str(texts), "--out", str(tmp_path / "run"),
+                           "--steps", "6", "--vocab", "400"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [5, 6]  # log_every 5, and the last step
+    assert [r["step"] for r in records if "eval_loss" in r] == [6]
+    assert (tmp_path / "run" / "logs" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["tokenizer"]["vocab_size"] == 400
