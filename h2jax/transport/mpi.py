@@ -364,8 +364,8 @@ class MPITransport(Transport):
         self._inflight: collections.deque = collections.deque()  # (requests, value, buffers)
         self._pool = _BufferPool()  # receive buffers
         self._send_pool = _BufferPool()  # staging buffers of the staged path on host arrays
-        # Posted receives by tag: [route, requests, buffers, bytes MPI delivered once complete].
-        self._posted: dict[Tag, list] = {}
+        # Posted receives: [route, requests, buffers, bytes MPI delivered once complete].
+        self._posted: dict[tuple, list] = {}  # keyed (kind, boundary, micro): hashed in C
         self._sleep = time.sleep
         self._put = self._zero_copy_put = None
         self._adopts = 0
@@ -604,8 +604,9 @@ class MPITransport(Transport):
     def prepost(self, tags: list[Tag]) -> None:
         posted = self._posted
         for tag in tags:
-            if tag not in posted:
-                posted[tag] = self._post(tag)
+            key = (tag.kind, tag.boundary, tag.micro)
+            if key not in posted:
+                posted[key] = self._post(tag)
         if self._pending_sends or self._inflight:
             self._progress()
 
@@ -626,16 +627,17 @@ class MPITransport(Transport):
         return [route, requests, buffers, None]
 
     def ready(self, tag: Tag) -> bool:
-        posted = self._posted.get(tag)
+        key = (tag.kind, tag.boundary, tag.micro)
+        posted = self._posted.get(key)
         if posted is None:
-            posted = self._posted[tag] = self._post(tag)
+            posted = self._posted[key] = self._post(tag)
         self._progress()
         if posted[3] is None and self._testall(posted[1], posted[0].statuses):
             posted[3] = posted[0].delivered()
         return posted[3] is not None
 
     def recv(self, tag: Tag):
-        posted = self._posted.pop(tag, None)
+        posted = self._posted.pop((tag.kind, tag.boundary, tag.micro), None)
         if posted is None:
             posted = self._post(tag)
         route, requests, buffers, delivered = posted
