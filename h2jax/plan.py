@@ -17,9 +17,10 @@ from typing import Any, Mapping
 
 from h2jax.cluster import check_chip_name, load_chip
 from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
+from h2jax.schedules import NAMES, get_schedule
 
 FORMAT_VERSION = 1
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = NAMES  # h2jax/schedules/: one module per schedule
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "sgd")
 # numpy's and JAX's seeds both take an unsigned 32-bit integer without loss.
@@ -51,7 +52,9 @@ class HostSlot:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Stage:
-    """A contiguous layer range `[layers[0], layers[1])` on chips of one type, on one mesh."""
+    """A contiguous layer range `[layers[0], layers[1])` on chips of one type, on one mesh.
+    Under interleaved 1F1B (plan.virtual_stages = v > 1) the stage holds v such ranges,
+    `chunks`, one per virtual stage (`layers` is then its first chunk)."""
 
     chip: str
     mesh: Mesh
@@ -60,10 +63,15 @@ class Stage:
     devices: tuple[int, ...] | None = None  # local device ids (single-process runs)
     processes: int = 1  # MPI processes this stage spans
     hosts: tuple[HostSlot, ...] | None = None  # one per process, in rank order (`h2jax launch`)
+    chunks: tuple[tuple[int, int], ...] | None = None  # interleaved: one layer range per chunk
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        return self.chunks if self.chunks is not None else (self.layers,)
 
     @property
     def n_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
+        return sum(end - start for start, end in self.layer_ranges)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,6 +113,7 @@ class Plan:
     stages: tuple[Stage, ...]
     schedule: str = "1f1b"
     seed: int = 0
+    virtual_stages: int = 1  # layer chunks per stage (interleaved-1f1b: v >= 2)
     optimizer: Optimizer = Optimizer()
     train: Train = Train()
     predicted: Mapping[str, Any] | None = None
@@ -141,6 +150,7 @@ class Plan:
             "global_batch": self.global_batch,
             "micro_batch": self.micro_batch,
             "schedule": self.schedule,
+            **({"virtual_stages": self.virtual_stages} if self.virtual_stages != 1 else {}),
             "seed": self.seed,
             "optimizer": dataclasses.asdict(self.optimizer),
             **({"train": dataclasses.asdict(self.train)} if self.train != Train() else {}),
@@ -155,7 +165,7 @@ def _stage_to_dict(stage: Stage) -> dict[str, Any]:
     out: dict[str, Any] = {
         "chip": stage.chip,
         "mesh": {"data": stage.mesh.data, "tensor": stage.mesh.tensor},
-        "layers": list(stage.layers),
+        "layers": list(stage.layers) if stage.chunks is None else [list(c) for c in stage.chunks],
         "recompute": stage.recompute,
     }
     if stage.devices is not None:
@@ -179,7 +189,19 @@ def _int_field(raw: Mapping[str, Any], key: str, where: str, minimum: int = 1) -
     return value
 
 
-def _parse_stage(raw: Any, i: int) -> Stage:
+def _layer_range(raw: Any, where: str, empty: bool) -> tuple[int, int]:
+    if (
+        not isinstance(raw, (list, tuple))
+        or len(raw) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw)
+    ):
+        raise PlanError(f"{where} must be [start, end) as two integers, got {raw!r}")
+    if raw[0] < 0 or raw[1] < raw[0] or (raw[1] == raw[0] and not empty):
+        raise PlanError(f"{where} {list(raw)} must satisfy 0 <= start < end")
+    return raw[0], raw[1]
+
+
+def _parse_stage(raw: Any, i: int, v: int = 1) -> Stage:
     where = f"stages[{i}]"
     if not isinstance(raw, Mapping):
         raise PlanError(f"{where} must be an object with chip, mesh, layers")
@@ -198,14 +220,17 @@ def _parse_stage(raw: Any, i: int) -> Stage:
         tensor=_int_field({"tensor": mesh_raw.get("tensor", 1)}, "tensor", f"{where}.mesh"),
     )
     layers = raw.get("layers")
-    if (
-        not isinstance(layers, (list, tuple))
-        or len(layers) != 2
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
-    ):
-        raise PlanError(f"{where}.layers must be [start, end) as two integers, got {layers!r}")
-    if layers[0] < 0 or layers[1] <= layers[0]:
-        raise PlanError(f"{where}.layers {list(layers)} must satisfy 0 <= start < end")
+    chunks = None
+    if v > 1:
+        if not isinstance(layers, (list, tuple)) or len(layers) != v:
+            raise PlanError(
+                f"{where}.layers must list the stage's {v} chunks (virtual_stages) as [start, end) "
+                f"pairs in chunk order, e.g. [[0, 2], [8, 10]], got {layers!r}"
+            )
+        chunks = tuple(_layer_range(c, f"{where}.layers[{c_i}]", empty=True) for c_i, c in enumerate(layers))
+        layers = chunks[0]
+    else:
+        layers = _layer_range(layers, f"{where}.layers", empty=False)
     recompute = raw.get("recompute", "none")
     if recompute not in RECOMPUTE_POLICIES:
         raise PlanError(
@@ -234,6 +259,7 @@ def _parse_stage(raw: Any, i: int) -> Stage:
     return Stage(
         chip=str(raw["chip"]),
         mesh=mesh,
+        chunks=chunks,
         layers=(layers[0], layers[1]),
         recompute=recompute,
         devices=devices,
@@ -363,7 +389,7 @@ def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
         )
     known = {
         "format_version", "model", "seq_len", "global_batch", "micro_batch", "schedule",
-        "seed", "optimizer", "train", "stages", "predicted", "search",
+        "virtual_stages", "seed", "optimizer", "train", "stages", "predicted", "search",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -378,13 +404,18 @@ def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
     schedule = raw.get("schedule", "1f1b")
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule {schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    v = _int_field({"virtual_stages": raw.get("virtual_stages", 1)}, "virtual_stages", "plan")
+    try:
+        get_schedule(schedule).check_v(v)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
         raise PlanError(f"seed must be an integer in [0, 2**32 - 1], got {seed!r}")
     stages_raw = raw.get("stages")
     if not isinstance(stages_raw, (list, tuple)) or not stages_raw:
         raise PlanError("stages must be a non-empty list of stages in pipeline order")
-    stages = tuple(_parse_stage(s, i) for i, s in enumerate(stages_raw))
+    stages = tuple(_parse_stage(s, i, v) for i, s in enumerate(stages_raw))
     predicted = raw.get("predicted")
     if predicted is not None:
         _check_predicted(predicted, len(stages))
@@ -395,6 +426,7 @@ def plan_from_dict(raw: Mapping[str, Any]) -> Plan:
         micro_batch=micro_batch,
         stages=stages,
         schedule=schedule,
+        virtual_stages=v,
         seed=seed,
         optimizer=_parse_optimizer(raw.get("optimizer")),
         train=parse_train(raw.get("train")),
@@ -412,21 +444,34 @@ def validate(plan: Plan) -> None:
             f"global_batch ({plan.global_batch}) is not divisible by micro_batch "
             f"({plan.micro_batch}); choose a micro_batch among the divisors of {plan.global_batch}"
         )
+    v = plan.virtual_stages
+    if any(len(s.layer_ranges) != v for s in plan.stages):
+        raise PlanError(f"every stage must hold virtual_stages = {v} layer chunk(s); give each stage {v} ranges")
+    try:
+        get_schedule(plan.schedule).check(plan.n_stages, plan.n_micro, v)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    # The chunks, in pipeline order (chunk c of stage i is virtual stage c*p + i), cover the
+    # model exactly once.
     expected = 0
+    for c in range(v):
+        for i, stage in enumerate(plan.stages):
+            where = f"stages[{i}].layers" + (f"[{c}]" if v > 1 else "")
+            start, end = stage.layer_ranges[c]
+            prev = "previous stage" if v == 1 else "previous virtual stage"
+            if start < expected:
+                raise PlanError(
+                    f"{where} {[start, end]} overlaps the {prev}, which ends at "
+                    f"layer {expected}; start this stage at {expected}"
+                )
+            if start > expected:
+                raise PlanError(
+                    f"{where} {[start, end]} leaves layers [{expected}, {start}) uncovered; "
+                    f"start this stage at {expected}"
+                )
+            expected = end
     for i, stage in enumerate(plan.stages):
         where = f"stages[{i}]"
-        start, end = stage.layers
-        if start < expected:
-            raise PlanError(
-                f"{where}.layers {list(stage.layers)} overlaps the previous stage, which ends at "
-                f"layer {expected}; start this stage at {expected}"
-            )
-        if start > expected:
-            raise PlanError(
-                f"{where}.layers {list(stage.layers)} leaves layers [{expected}, {start}) uncovered; "
-                f"start this stage at {expected}"
-            )
-        expected = end
         if plan.micro_batch % stage.mesh.data:
             raise PlanError(
                 f"micro_batch ({plan.micro_batch}) is not divisible by {where}.mesh.data "

@@ -1,7 +1,7 @@
 """Event-level simulator: replays a plan's per-stage action lists with per-stage costs.
 
-Input: the schedule's action lists (`h2jax.schedule`, never re-derived here) and one
-`StageCost` per stage. The replay is a timestamp recurrence over the lists:
+Input: the schedule's action lists (`h2jax.schedules`, the lists the runtime executes, never
+re-derived here) and one `StageCost` per stage. The replay is a timestamp recurrence over the lists:
 
 - each stage has one compute stream; F, B and W run on it in list order, each starting when
   the stream is free and its input has arrived;
@@ -17,19 +17,18 @@ Input: the schedule's action lists (`h2jax.schedule`, never re-derived here) and
 Stages are advanced in any order that respects the sends (a stage blocked on a receive is
 woken by the matching send), so the work is linear in the number of actions: no event heap.
 
-ZB-H1's W placement depends on the costs: `zb_h1_orders` builds it by a greedy pass that puts
-each W in an idle gap it fits, then checks every stage against 1F1B (see its docstring for
-why the result is never slower than 1F1B).
+A split-backward list (ZB-H1) runs B as the input gradient alone and W as the weight
+gradient; with v chunks per stage (interleaved) each chunk's compute costs 1/v of the
+stage's, and the last stage's chunk c sends to stage 0's chunk c + 1 over its own link.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections import deque
 from typing import Any, Sequence
 
-from h2jax import schedule as sched
+from h2jax import names as N
+from h2jax import schedules as sched
 from h2jax.planner.stage_cost import StageCost
 from h2jax.trace import TraceEvent
 
@@ -39,7 +38,6 @@ _CODE = {
     sched.F: _F, sched.B: _B, sched.W: _W,
     sched.SEND_ACT: _SA, sched.RECV_ACT: _RA, sched.SEND_GRAD: _SG, sched.RECV_GRAD: _RG,
 }
-_NAME = {v: k for k, v in _CODE.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +51,14 @@ class SimResult:
     pipeline_s: float  # first compute start to last compute end, over all stages
     busy_s: tuple[float, ...]  # compute time per stage
     idle_s: tuple[float, ...]  # pipeline_s - busy_s per stage
-    bubble_fraction: float  # sum(idle) / (n_stages * pipeline_s)
+    bubble_fraction: float  # the one definition (h2jax.schedules) on the replayed timeline
     grads_done_s: tuple[float, ...]  # end of each stage's last gradient computation
     dp_done_s: tuple[float, ...]  # end of each stage's data-parallel reduction
-    peak_in_flight: tuple[int, ...]  # micro-batches whose activations are held, at peak
+    peak_in_flight: tuple[int, ...]  # (micro-batch, chunk) activations held, at peak
     peak_activation_bytes: tuple[int, ...]
     peak_memory_bytes: tuple[int, ...]  # static (params, grads, optimizer) + activations
+    virtual_stages: int = 1
+    peak_deferred: tuple[int, ...] = ()  # micro-batches between their B and W, at peak
     events: tuple[TraceEvent, ...] = ()  # per-action slices when run with record=True
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,11 +68,6 @@ class SimResult:
 
 
 # ----------------------------------------------------------------------------- replay
-
-
-def _encode(actions: Sequence[sched.Action]) -> tuple[list[int], list[int]]:
-    code = _CODE
-    return [code[a.kind] for a in actions], [a.micro for a in actions]
 
 
 def _jitter_factors(lengths: list[int], jitter: float, seed: int) -> list[list[float]] | None:
@@ -91,12 +86,11 @@ def _jitter_factors(lengths: list[int], jitter: float, seed: int) -> list[list[f
 class _Run:
     """Raw per-stage outputs of one replay (mutable, internal)."""
 
-    f_start: list[list[float]]
-    b_start: list[list[float]]
     busy: list[float]
     last_end: list[float]  # end of the stage's last compute action
     grads_done: list[float]
     peak_live: list[int]
+    peak_deferred: list[int]
     events: list[TraceEvent]
 
 
@@ -104,144 +98,128 @@ def _replay(
     lists: Sequence[Sequence[sched.Action]],
     costs: Sequence[StageCost],
     n_micro: int,
+    v: int,
     factors: list[list[float]] | None,
     record: bool,
 ) -> _Run:
     p, m = len(costs), n_micro
     split = any(a.kind == sched.W for acts in lists for a in acts)
-    enc = [_encode(acts) for acts in lists]
-    fwd = [c.forward_s for c in costs]
-    bwd = [c.backward_s - c.backward_weight_s if split else c.backward_s for c in costs]
-    wgt = [c.backward_weight_s for c in costs]
-    send = [c.send_s for c in costs]  # link i <-> i+1, both directions
+    n = m * v  # slots per stage: (chunk, micro) -> chunk * m + micro
+    fwd = [c.forward_s / v for c in costs]
+    bwd = [(c.backward_s - c.backward_weight_s if split else c.backward_s) / v for c in costs]
+    wgt = [c.backward_weight_s / v for c in costs]
+    # link i joins stage i and stage (i + 1) % p (link p - 1: interleaved's wrap to stage 0);
+    # it carries stage i's activations one way and stage i+1's gradients the other
+    send = [c.send_s for c in costs]
     lat = [c.link_latency_s for c in costs]
-    release = _W if split else _B  # activations are held until this action
 
-    # act_in[i][k]: arrival of micro k's activation at stage i (None: not sent yet);
-    # grad_in[i][k]: arrival of its output gradient. Stage 0 and the last stage need none.
-    act_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(p - 1)]
-    grad_in: list[list[float | None]] = [[None] * m for _ in range(p - 1)] + [[0.0] * m]
-    f_end = [[0.0] * m for _ in range(p)]
-    b_end = [[0.0] * m for _ in range(p)]
-    f_start = [[0.0] * m for _ in range(p)]
-    b_start = [[0.0] * m for _ in range(p)]
-    link_fwd = [0.0] * p  # when link i -> i+1 is free
-    link_bwd = [0.0] * p  # when link i+1 -> i is free
+    # act_in[i][slot]: arrival of the activation (None: not sent yet); grad_in: of the output
+    # gradient. The first virtual stage needs no activation, the last no gradient.
+    act_in: list[list[float | None]] = [[None] * n for _ in range(p)]
+    grad_in: list[list[float | None]] = [[None] * n for _ in range(p)]
+    act_in[0][:m] = [0.0] * m
+    grad_in[p - 1][(v - 1) * m:] = [0.0] * m
+    f_end = [[0.0] * n for _ in range(p)]
+    b_end = [[0.0] * n for _ in range(p)]
+    link_fwd = [0.0] * p  # when link i is free in the activation direction
+    link_bwd = [0.0] * p  # ... and in the gradient direction
     t_free = [0.0] * p
     pc_at = [0] * p
     busy = [0.0] * p
-    live_at = [0] * p
-    peak_at = [0] * p
+    live_at, peak_at = [0] * p, [0] * p
+    held_at, held_peak = [0] * p, [0] * p
     grads_done = [0.0] * p
-    waiting = [-1] * p  # micro k awaited as an activation, or m + k as a gradient
+    waiting = [-1] * p  # slot awaited as an activation, or n + slot as a gradient
     events: list[TraceEvent] = []
 
-    # Each action's duration, computed once per stage: the loop below only adds and compares.
+    enc = []
     durs: list[list[float]] = []
     for i in range(p):
-        base = [fwd[i], bwd[i], wgt[i], send[i] if i < p - 1 else 0.0, 0.0,
-                send[i - 1] if i > 0 else 0.0, 0.0]
-        d_i = [base[c] for c in enc[i][0]]
+        kinds = [_CODE[a.kind] for a in lists[i]]
+        slots = [a.chunk * m + a.micro for a in lists[i]]
+        base = [fwd[i], bwd[i], wgt[i], send[i], 0.0, send[(i - 1) % p], 0.0]
+        d_i = [base[c] for c in kinds]
         if factors is not None:
             d_i = [d * x for d, x in zip(d_i, factors[i])]
+        enc.append((kinds, slots))
         durs.append(d_i)
+
+    def label(kind: str, slot: int) -> str:
+        c, k = divmod(slot, m)
+        return f"{kind}{k}" + (f"c{c}" if c else "")
 
     stack = list(range(p - 1, -1, -1))
     while stack:
         i = stack.pop()
-        kinds, micros = enc[i]
+        kinds, slots = enc[i]
         dur = durs[i]
-        n = len(kinds)
-        t, pc, live, peak = t_free[i], pc_at[i], live_at[i], peak_at[i]
-        acts, grads, fe, be, fs, bs = act_in[i], grad_in[i], f_end[i], b_end[i], f_start[i], b_start[i]
-        busy_i, done_i = busy[i], grads_done[i]
-        while pc < n:
-            kd = kinds[pc]
-            k = micros[pc]
-            if kd == _F:
-                ready = acts[k]
+        t, pc = t_free[i], pc_at[i]
+        acts, grads, fe, be = act_in[i], grad_in[i], f_end[i], b_end[i]
+        while pc < len(kinds):
+            kd, q = kinds[pc], slots[pc]
+            if kd == _F or kd == _B or kd == _W:
+                if kd == _W:
+                    ready = t
+                else:
+                    ready = acts[q] if kd == _F else grads[q]
                 s = t if t > ready else ready
                 d = dur[pc]
                 t = s + d
-                fs[k] = s
-                fe[k] = t
-                busy_i += d
-                live += 1
-                if live > peak:
-                    peak = live
+                busy[i] += d
+                if kd == _F:
+                    fe[q] = t
+                    live_at[i] += 1
+                    peak_at[i] = max(peak_at[i], live_at[i])
+                elif kd == _B:
+                    be[q] = t
+                    if split:
+                        held_at[i] += 1
+                        held_peak[i] = max(held_peak[i], held_at[i])
+                    else:
+                        live_at[i] -= 1
+                        grads_done[i] = t
+                else:
+                    live_at[i] -= 1
+                    held_at[i] -= 1
+                    grads_done[i] = t
                 if record:
-                    events.append(TraceEvent(i, f"F{k}", s, d, {"micro": k}))
-            elif kd == _B:
-                ready = grads[k]
-                s = t if t > ready else ready
+                    name = "FBW"[kd]
+                    c, k = divmod(q, m)
+                    events.append(TraceEvent(i, label(name, q), s, d, {"micro": k, "chunk": c}))
+            elif kd == _SA or kd == _SG:
                 d = dur[pc]
-                t = s + d
-                bs[k] = s
-                be[k] = t
-                busy_i += d
-                if release == _B:
-                    live -= 1
-                    done_i = t
-                if record:
-                    events.append(TraceEvent(i, f"B{k}", s, d, {"micro": k}))
-            elif kd == _SA:
-                d = dur[pc]
-                ready = fe[k]
-                lf = link_fwd[i]
-                s = lf if lf > ready else ready
-                link_fwd[i] = s + d
-                act_in[i + 1][k] = s + d + lat[i]
-                if waiting[i + 1] == k:
-                    waiting[i + 1] = -1
-                    stack.append(i + 1)
+                c = q // m
+                kind = sched.SEND_ACT if kd == _SA else sched.SEND_GRAD
+                j, c2 = sched.receiver(i, c, p, kind)
+                q2 = c2 * m + q % m
+                link = i if kd == _SA else j
+                lanes = link_fwd if kd == _SA else link_bwd
+                ready = fe[q] if kd == _SA else be[q]
+                s = lanes[link] if lanes[link] > ready else ready
+                lanes[link] = s + d
+                (act_in if kd == _SA else grad_in)[j][q2] = s + d + lat[link]
+                if waiting[j] == (q2 if kd == _SA else n + q2):
+                    waiting[j] = -1
+                    stack.append(j)
                 if record:
                     events.append(TraceEvent(
-                        i, f"SEND_ACT{k}", s, d,
-                        {"micro": k, "bytes": costs[i].send_bytes, "latency_s": lat[i]}, "comm"))
-            elif kd == _SG:
-                d = dur[pc]
-                ready = be[k]
-                lb = link_bwd[i - 1]
-                s = lb if lb > ready else ready
-                link_bwd[i - 1] = s + d
-                grad_in[i - 1][k] = s + d + lat[i - 1]
-                if waiting[i - 1] == m + k:
-                    waiting[i - 1] = -1
-                    stack.append(i - 1)
-                if record:
-                    events.append(TraceEvent(
-                        i, f"SEND_GRAD{k}", s, d,
-                        {"micro": k, "bytes": costs[i - 1].send_bytes, "latency_s": lat[i - 1]},
-                        "comm"))
-            elif kd == _RA:
-                if acts[k] is None:
-                    waiting[i] = k
+                        i, label(kind, q), s, d,
+                        {"micro": q % m, "bytes": costs[link].send_bytes, "latency_s": lat[link]}, "comm"))
+            else:  # a receive only orders the replay: the compute that needs the data waits
+                arrived = acts[q] if kd == _RA else grads[q]
+                if arrived is None:
+                    waiting[i] = q if kd == _RA else n + q
                     break
                 if record:
-                    events.append(TraceEvent(i, f"RECV_ACT{k}", acts[k], 0.0, {"micro": k}, "comm"))
-            elif kd == _RG:
-                if grads[k] is None:
-                    waiting[i] = m + k
-                    break
-                if record:
-                    events.append(TraceEvent(i, f"RECV_GRAD{k}", grads[k], 0.0, {"micro": k}, "comm"))
-            else:  # _W
-                d = dur[pc]
-                s = t
-                t = s + d
-                busy_i += d
-                live -= 1
-                done_i = t
-                if record:
-                    events.append(TraceEvent(i, f"W{k}", s, d, {"micro": k}))
+                    kind = sched.RECV_ACT if kd == _RA else sched.RECV_GRAD
+                    events.append(TraceEvent(i, label(kind, q), arrived, 0.0, {"micro": q % m}, "comm"))
             pc += 1
-        t_free[i], pc_at[i], live_at[i], peak_at[i] = t, pc, live, peak
-        busy[i], grads_done[i] = busy_i, done_i
+        t_free[i], pc_at[i] = t, pc
 
     stuck = {i: lists[i][pc_at[i]] for i in range(p) if pc_at[i] < len(lists[i])}
     if stuck:
         raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
-    return _Run(f_start, b_start, busy, t_free, grads_done, peak_at, events)
+    return _Run(busy, t_free, grads_done, peak_at, held_peak, events)
 
 
 def _finish(
@@ -249,6 +227,7 @@ def _finish(
     costs: Sequence[StageCost],
     name: str,
     n_micro: int,
+    v: int,
     global_clip: bool,
 ) -> SimResult:
     p = len(costs)
@@ -262,8 +241,8 @@ def _finish(
         iteration = max(dp_done[i] + costs[i].optimizer_s for i in range(p))
     pipeline = max(run.last_end)
     idle = [pipeline - b for b in run.busy]
-    bubble = sum(idle) / (p * pipeline) if pipeline > 0 else 0.0
-    act = [run.peak_live[i] * costs[i].activation_bytes for i in range(p)]
+    # each in-flight unit is one chunk: 1/v of the stage's activations
+    act = [run.peak_live[i] * costs[i].activation_bytes // v for i in range(p)]
     return SimResult(
         schedule=name,
         n_stages=p,
@@ -272,12 +251,14 @@ def _finish(
         pipeline_s=pipeline,
         busy_s=tuple(run.busy),
         idle_s=tuple(idle),
-        bubble_fraction=bubble,
+        bubble_fraction=sched.bubble_fraction(run.busy, pipeline),
         grads_done_s=tuple(run.grads_done),
         dp_done_s=tuple(dp_done),
         peak_in_flight=tuple(run.peak_live),
         peak_activation_bytes=tuple(act),
         peak_memory_bytes=tuple(costs[i].static_bytes + act[i] for i in range(p)),
+        virtual_stages=v,
+        peak_deferred=tuple(run.peak_deferred),
         events=tuple(run.events),
     )
 
@@ -288,18 +269,20 @@ def replay(
     n_micro: int,
     *,
     name: str = "custom",
+    virtual_stages: int = 1,
     jitter: float = 0.0,
     seed: int = 0,
     global_clip: bool = True,
     record: bool = False,
 ) -> SimResult:
-    """Replay given per-stage action lists. A list with W actions is a zero-bubble list: its
-    B costs `backward_s - backward_weight_s` and its W `backward_weight_s`."""
+    """Replay given per-stage action lists. A list with W actions is a split-backward list:
+    its B costs `backward_s - backward_weight_s` and its W `backward_weight_s`; with v chunks
+    each chunk's actions cost 1/v of the stage's."""
     if len(lists) != len(costs):
         raise ValueError(f"{len(lists)} action lists but {len(costs)} stage costs")
     factors = _jitter_factors([len(a) for a in lists], jitter, seed)
-    run = _replay(lists, costs, n_micro, factors, record)
-    return _finish(run, costs, name, n_micro, global_clip)
+    run = _replay(lists, costs, n_micro, virtual_stages, factors, record)
+    return _finish(run, costs, name, n_micro, virtual_stages, global_clip)
 
 
 def simulate(
@@ -307,182 +290,26 @@ def simulate(
     n_micro: int,
     schedule: str = "1f1b",
     *,
+    virtual_stages: int = 1,
     jitter: float = 0.0,
     seed: int = 0,
     global_clip: bool = True,
     record: bool = False,
-    zb_max_in_flight: Sequence[int] | None = None,
 ) -> SimResult:
-    """Simulate one optimizer step of `schedule` over stages with these costs.
+    """Simulate one optimizer step of `schedule` over stages with these costs: the registry's
+    action lists (h2jax.schedules), the ones the runtime executes.
 
     `jitter` > 0 multiplies every compute and transfer time by seeded lognormal noise (mean 1,
     log-sd `jitter`). `global_clip` adds the cross-stage grad-norm sync before the optimizer
-    (plans clip by default). `zb_max_in_flight` caps each stage's held micro-batches under
-    ZB-H1 (default: min(p, m), the peak of 1F1B's first stage, as in the ZB-H1 paper).
+    (plans clip by default).
     """
     if not costs:
         raise ValueError("need at least one stage")
     if n_micro < 1:
         raise ValueError(f"n_micro must be >= 1, got {n_micro}")
-    p = len(costs)
-    if schedule == "zb-h1":
-        orders = zb_h1_orders(costs, n_micro, zb_max_in_flight, global_clip=global_clip)
-        lists = sched.build_sim(schedule, p, n_micro, orders)
-    else:
-        lists = sched.build_sim(schedule, p, n_micro)
-    return replay(lists, costs, n_micro, name=schedule, jitter=jitter, seed=seed,
-                  global_clip=global_clip, record=record)
-
-
-# ----------------------------------------------------------------------------- ZB-H1
-
-
-def _zb_greedy(
-    costs: Sequence[StageCost],
-    m: int,
-    defer: list[bool],
-    caps: list[int],
-) -> tuple[list[list[tuple[str, int]]], _Run]:
-    """Build ZB-H1 compute orders by simulating them (same timing rules as `_replay`).
-
-    A stage with `defer[i]` keeps 1F1B's F/B order and holds each W back; it runs a held W
-    only where it ends before the next F/B's input arrives (so it never delays an F or B), or
-    when an F would exceed the stage's cap of held micro-batches. Other stages run each W
-    right after its B. Leftover W's run after the last B.
-    """
-    p = len(costs)
-    fwd = [c.forward_s for c in costs]
-    bwd = [c.backward_s - c.backward_weight_s for c in costs]
-    wgt = [c.backward_weight_s for c in costs]
-    send = [c.send_s for c in costs]
-    lat = [c.link_latency_s for c in costs]
-    fb = [sched.compute_order_1f1b(i, p, m) for i in range(p)]
-    orders: list[list[tuple[str, int]]] = [[] for _ in range(p)]
-    act_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(p - 1)]
-    grad_in: list[list[float | None]] = [[None] * m for _ in range(p - 1)] + [[0.0] * m]
-    f_start = [[0.0] * m for _ in range(p)]
-    b_start = [[0.0] * m for _ in range(p)]
-    link_fwd, link_bwd = [0.0] * p, [0.0] * p
-    t_free, idx_at, busy = [0.0] * p, [0] * p, [0.0] * p
-    live_at, peak_at, grads_done = [0] * p, [0] * p, [0.0] * p
-    pending: list[deque[int]] = [deque() for _ in range(p)]
-    waiting = [-1] * p
-
-    stack = list(range(p - 1, -1, -1))
-    while stack:
-        i = stack.pop()
-        t, idx, live, peak = t_free[i], idx_at[i], live_at[i], peak_at[i]
-        order, held, w = orders[i], pending[i], wgt[i]
-        while idx < len(fb[i]):
-            kind, k = fb[i][idx]
-            ready = act_in[i][k] if kind == sched.F else grad_in[i][k]
-            if ready is None:
-                waiting[i] = k if kind == sched.F else m + k
-                break
-            if defer[i]:
-                while held and kind == sched.F and live + 1 > caps[i]:
-                    j = held.popleft()
-                    order.append((sched.W, j))
-                    t += w
-                    busy[i] += w
-                    live -= 1
-                while held and t + w <= ready:
-                    j = held.popleft()
-                    order.append((sched.W, j))
-                    t += w
-                    busy[i] += w
-                    live -= 1
-            s = t if t > ready else ready
-            order.append((kind, k))
-            if kind == sched.F:
-                t = s + fwd[i]
-                f_start[i][k] = s
-                busy[i] += fwd[i]
-                live += 1
-                peak = max(peak, live)
-                if i < p - 1:
-                    ls = max(t, link_fwd[i])
-                    link_fwd[i] = ls + send[i]
-                    act_in[i + 1][k] = ls + send[i] + lat[i]
-                    if waiting[i + 1] == k:
-                        waiting[i + 1] = -1
-                        stack.append(i + 1)
-            else:
-                t = s + bwd[i]
-                b_start[i][k] = s
-                busy[i] += bwd[i]
-                if i > 0:
-                    ls = max(t, link_bwd[i - 1])
-                    link_bwd[i - 1] = ls + send[i - 1]
-                    grad_in[i - 1][k] = ls + send[i - 1] + lat[i - 1]
-                    if waiting[i - 1] == m + k:
-                        waiting[i - 1] = -1
-                        stack.append(i - 1)
-                if defer[i]:
-                    held.append(k)
-                else:
-                    order.append((sched.W, k))
-                    t += w
-                    busy[i] += w
-                    live -= 1
-            idx += 1
-        if idx == len(fb[i]):
-            for j in held:
-                order.append((sched.W, j))
-                t += w
-                busy[i] += w
-                live -= 1
-            held.clear()
-            grads_done[i] = t
-        t_free[i], idx_at[i], live_at[i], peak_at[i] = t, idx, live, peak
-    if any(idx_at[i] < len(fb[i]) for i in range(p)):  # pragma: no cover - 1F1B never deadlocks
-        raise RuntimeError("ZB-H1 construction deadlocked")
-    return orders, _Run(f_start, b_start, busy, t_free, grads_done, peak_at, [])
-
-
-def zb_h1_orders(
-    costs: Sequence[StageCost],
-    n_micro: int,
-    max_in_flight: Sequence[int] | None = None,
-    *,
-    global_clip: bool = True,
-) -> list[list[tuple[str, int]]]:
-    """Cost-aware ZB-H1 compute orders (F, B, W per stage), never slower than 1F1B.
-
-    Why never slower: first replay 1F1B. Then every stage defers its W's (`_zb_greedy`),
-    and any stage on which some F or B would start later than under 1F1B, or whose gradient
-    reduction would end later, reverts to running each W right after its B. Repeat until no
-    stage reverts (at most p rounds: stages only ever revert). A reverted stage runs 1F1B's
-    order with its B's input-gradient part sending earlier, so with inputs arriving no later
-    than under 1F1B its F's and B's are no later either; a deferring stage was checked
-    directly. By induction over the pipeline every F/B and every stage's reduction ends no
-    later than under 1F1B, and so does the step.
-    """
-    p, m = len(costs), n_micro
-    caps = [min(p, m)] * p if max_in_flight is None else list(max_in_flight)
-    if len(caps) != p:
-        raise ValueError(f"max_in_flight has {len(caps)} entries for {p} stages")
-    # Never below what 1F1B itself holds: W right after B needs min(p - i, m).
-    caps = [max(c, min(p - i, m)) for i, c in enumerate(caps)]
-    ref = _replay(sched.build("1f1b", p, m), costs, m, None, False)
-    ref_dp = [ref.grads_done[i] + costs[i].dp_reduce_s for i in range(p)]
-    scale = max(max(ref.last_end), 1e-300)
-    tol = 1e-12 * scale
-    defer = [True] * p
-    while True:
-        orders, run = _zb_greedy(costs, m, defer, caps)
-        reverted = False
-        for i in range(p):
-            if not defer[i]:
-                continue
-            late = run.grads_done[i] + costs[i].dp_reduce_s > ref_dp[i] + tol or any(
-                a > b + tol for a, b in zip(run.f_start[i], ref.f_start[i])
-            ) or any(a > b + tol for a, b in zip(run.b_start[i], ref.b_start[i]))
-            if late:
-                defer[i] = False
-                reverted = True
-        if not reverted:
-            return orders
+    lists = sched.get_schedule(schedule).build(len(costs), n_micro, virtual_stages)
+    return replay(lists, costs, n_micro, name=schedule, virtual_stages=virtual_stages, jitter=jitter,
+                  seed=seed, global_clip=global_clip, record=record)
 
 
 # ----------------------------------------------------------------------------- plans
@@ -498,36 +325,31 @@ def simulate_plan(
     jitter: float = 0.0,
     seed: int = 0,
     record: bool = False,
+    virtual_stages: int | None = None,
 ) -> SimResult:
-    """Simulate a plan. Costs come from the planner's cost model unless given."""
+    """Simulate a plan. Costs come from the planner's cost model unless given. Another
+    `schedule` than the plan's runs the same stages under it (interleaved: v = 2 unless given)."""
     if costs is None:
         from h2jax import planner
 
         costs = planner.stage_costs(plan, cluster, profile=profile)
     name = schedule or plan.schedule
-    caps = zb_caps(plan, costs) if name == "zb-h1" else None
+    v = virtual_stages if virtual_stages is not None else (
+        plan.virtual_stages if name == plan.schedule else (2 if sched.get_schedule(name).virtual else 1))
     clip = getattr(getattr(plan, "optimizer", None), "clip_norm", 1.0) is not None
-    return simulate(costs, plan.n_micro, name, jitter=jitter, seed=seed, global_clip=clip,
-                    record=record, zb_max_in_flight=caps)
+    return simulate(costs, plan.n_micro, name, virtual_stages=v, jitter=jitter, seed=seed,
+                    global_clip=clip, record=record)
 
 
-def zb_caps(plan: Any, costs: Sequence[StageCost]) -> list[int]:
-    """Held micro-batches each stage can afford under ZB-H1: what fits in the chip's memory
-    beside its static bytes, between 1F1B's min(p - i, m) and the paper's min(p, m)."""
-    from h2jax.cluster import load_chip
+def under_schedule(plan: Any, schedule: str, virtual_stages: int = 1) -> Any:
+    """The same stages under another schedule: interleaved splits each stage's layers into v
+    chunks (h2jax.planner.space.chunk_ranges), so its costs carry the last stage's wrap send."""
+    from h2jax.planner.space import chunk_ranges
 
-    p, m = len(costs), plan.n_micro
-    caps = []
-    for i, (stage, c) in enumerate(zip(plan.stages, costs)):
-        low, high = min(p - i, m), min(p, m)
-        try:
-            mem = load_chip(stage.chip).usable_memory_gib * 2**30
-        except Exception:  # an unknown chip was already reported by plan validation
-            caps.append(low)
-            continue
-        fits = math.floor((mem - c.static_bytes) / c.activation_bytes) if c.activation_bytes else high
-        caps.append(max(low, min(high, fits)))
-    return caps
+    chunks = chunk_ranges([s.n_layers for s in plan.stages], virtual_stages)
+    stages = [dataclasses.replace(s, layers=c[0], chunks=None if len(c) == 1 else c)
+              for s, c in zip(plan.stages, chunks)]
+    return dataclasses.replace(plan, schedule=schedule, virtual_stages=virtual_stages, stages=tuple(stages))
 
 
 def closed_form_uniform_1f1b(f: float, b: float, n_stages: int, n_micro: int) -> float:
@@ -549,21 +371,22 @@ def plan_report(plan: Any, costs: Sequence[StageCost], result: SimResult) -> dic
     """The simulated step beside the cost model's closed form, per plan and per stage."""
     from h2jax.planner import cost_model
 
-    closed = None
-    if result.schedule in sched.COMPUTE_ORDERS:
-        closed = cost_model.iteration_time(list(costs), result.n_micro, result.schedule)
+    v = result.virtual_stages
+    closed = cost_model.iteration_time(list(costs), result.n_micro, result.schedule, v)
     tokens_per_s = plan.tokens_per_step / result.iteration_s
     gib = 2.0**30
     stages = []
     for i, (s, c) in enumerate(zip(plan.stages, costs)):
         stages.append({
             "chip": s.chip, "data": s.mesh.data, "tensor": s.mesh.tensor,
-            "layers": list(s.layers), "recompute": s.recompute,
+            "layers": list(s.layers) if s.chunks is None else [list(c) for c in s.chunks],
+            "recompute": s.recompute,
             "forward_s": c.forward_s, "backward_s": c.backward_s,
             "backward_weight_s": c.backward_weight_s, "send_s": c.send_s,
             "dp_reduce_s": c.dp_reduce_s, "optimizer_s": c.optimizer_s,
             "busy_s": result.busy_s[i], "idle_s": result.idle_s[i],
             "peak_in_flight": result.peak_in_flight[i],
+            "peak_deferred": result.peak_deferred[i] if result.peak_deferred else 0,
             "peak_memory_gib": result.peak_memory_bytes[i] / gib,
         })
     return {
@@ -572,14 +395,18 @@ def plan_report(plan: Any, costs: Sequence[StageCost], result: SimResult) -> dic
         "n_micro": result.n_micro,
         "n_chips": plan.n_devices,
         "tokens_per_step": plan.tokens_per_step,
-        "iteration_s": result.iteration_s,
+        N.STEP_TIME_S: result.iteration_s,
         "pipeline_s": result.pipeline_s,
-        "closed_form_s": closed,
-        "sim_minus_closed_s": None if closed is None else result.iteration_s - closed,
-        "relative_difference": None if closed is None else (result.iteration_s - closed) / closed,
-        "tokens_per_s": tokens_per_s,
-        "tgs": tokens_per_s / plan.n_devices,
-        "bubble_fraction": result.bubble_fraction,
+        "virtual_stages": v,
+        N.PREDICTED: {N.STEP_TIME_S: closed},
+        "sim_minus_closed_s": result.iteration_s - closed,
+        "relative_difference": (result.iteration_s - closed) / closed,
+        N.TOKENS_PER_S: tokens_per_s,
+        N.TOKENS_PER_CHIP_PER_S: tokens_per_s / plan.n_devices,
+        # the schedule's bubble for this plan: the same number `h2jax plan`, compare and the
+        # demo print; the replayed timeline's own value beside it
+        N.BUBBLE_FRACTION: cost_model.bubble_fraction(list(costs), result.n_micro, result.schedule, v),
+        "simulated_bubble_fraction": result.bubble_fraction,
         "stages": stages,
     }
 

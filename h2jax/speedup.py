@@ -23,6 +23,7 @@ import fractions
 import re
 from typing import Any, Mapping
 
+from h2jax import names as N
 from h2jax.cluster import Cluster
 from h2jax.config import ConfigError, ModelConfig, get_config
 from h2jax.plan import Plan
@@ -70,6 +71,7 @@ class Run:
     predicted_s: float | None  # the cost model's closed form
     simulated_s: float | None
     error: str | None = None  # why no plan exists (e.g. the model does not fit)
+    bubble_fraction: float | None = None  # the schedule's (h2jax.schedules), as `h2jax plan` prints it
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -91,22 +93,23 @@ class Run:
             "stages": None if p is None else p.n_stages,
             "micro_batch": None if p is None else p.micro_batch,
             "n_micro": None if p is None else p.n_micro,
-            "predicted_s": self.predicted_s,
-            "simulated_s": self.simulated_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tgs": self.tgs,
+            "schedule": None if p is None else p.schedule,
+            N.PREDICTED: {N.STEP_TIME_S: self.predicted_s, N.BUBBLE_FRACTION: self.bubble_fraction},
+            N.SIMULATED: {N.STEP_TIME_S: self.simulated_s, N.TOKENS_PER_S: self.tokens_per_s,
+                          N.TOKENS_PER_CHIP_PER_S: self.tgs},
             "error": self.error,
         }
 
 
-def _simulated(plan: Plan, cluster: Cluster, profile: Profile | None) -> tuple[float, float]:
-    """(closed-form, simulated) seconds per step of a plan."""
+def _simulated(plan: Plan, cluster: Cluster, profile: Profile | None) -> tuple[float, float, float]:
+    """(closed-form seconds, simulated seconds, bubble fraction) per step of a plan."""
     from h2jax.planner import cost_model
     from h2jax.sim import simulate_plan
 
     costs = cost_model.stage_costs(plan, cluster, profile)
-    closed = cost_model.iteration_time(costs, plan.n_micro, plan.schedule)
-    return closed, simulate_plan(plan, costs).iteration_s
+    closed = cost_model.iteration_time(costs, plan.n_micro, plan.schedule, plan.virtual_stages)
+    bubble = cost_model.bubble_fraction(costs, plan.n_micro, plan.schedule, plan.virtual_stages)
+    return closed, simulate_plan(plan, costs).iteration_s, bubble
 
 
 def plan_mixed(
@@ -114,7 +117,7 @@ def plan_mixed(
     model: ModelConfig | str,
     seq_len: int,
     global_batch_tokens: int,
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     profile: Profile | None = None,
     time_limit_s: float | None = None,
 ) -> Run:
@@ -129,8 +132,8 @@ def plan_mixed(
         )
     except PlannerError as e:
         return Run("mixed", cluster.n_chips, global_batch_tokens, None, None, None, str(e))
-    closed, sim = _simulated(result.plan, cluster, profile)
-    return Run("mixed", cluster.n_chips, global_batch_tokens, result.plan, closed, sim)
+    closed, sim, bubble = _simulated(result.plan, cluster, profile)
+    return Run("mixed", cluster.n_chips, global_batch_tokens, result.plan, closed, sim, bubble_fraction=bubble)
 
 
 def plan_alone(
@@ -138,7 +141,7 @@ def plan_alone(
     model: ModelConfig | str,
     seq_len: int,
     global_batch_tokens: int,
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     profile: Profile | None = None,
 ) -> dict[str, Run]:
     """Each chip type of the cluster planned alone (the planner's homogeneous baselines), each
@@ -152,8 +155,8 @@ def plan_alone(
         if b.plan is None:
             out[chip] = Run(chip, b.chips, global_batch_tokens, None, None, None, b.reason)
             continue
-        closed, sim = _simulated(b.plan, cluster.only(chip), profile)
-        out[chip] = Run(chip, b.chips, global_batch_tokens, b.plan, closed, sim)
+        closed, sim, bubble = _simulated(b.plan, cluster.only(chip), profile)
+        out[chip] = Run(chip, b.chips, global_batch_tokens, b.plan, closed, sim, bubble_fraction=bubble)
     return out
 
 
@@ -219,7 +222,7 @@ def compare(
     seq_len: int,
     global_batch_tokens: int,
     baseline_global_batch_tokens: int | None = None,
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     profile: Profile | None = None,
     cache: dict[tuple[str, int], dict[str, Run]] | None = None,
     time_limit_s: float | None = None,

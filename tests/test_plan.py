@@ -52,7 +52,7 @@ def test_valid_plan_round_trips(tmp_path):
         ({"stage1_mesh": {"data": 1, "tensor": 8}}, r"stages\[1\]: model\.n_heads \(4\) is not divisible by mesh\.tensor \(8\)"),
         ({"stage1_mesh": {"data": 1, "tensor": 3}}, r"model\.n_heads \(4\) is not divisible by mesh\.tensor \(3\)"),
         ({"model": "llama-3b"}, r"model: unknown model preset 'llama-3b'; known presets: tiny, small"),
-        ({"schedule": "interleaved"}, r"schedule 'interleaved' is unknown; use one of 1f1b, gpipe"),
+        ({"schedule": "interleaved"}, r"schedule 'interleaved' is unknown; use one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
         ({"format_version": 2}, r"format_version is 2 but this h2jax reads format_version 1"),
         ({"stage1_chip": "nvidia-b900"}, r"unknown chip type 'nvidia-b900'.*known chip types: .*cpu"),
         ({"stage1_recompute": "some"}, r"stages\[1\]\.recompute 'some' is unknown; use one of none, selective, full"),

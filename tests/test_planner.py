@@ -25,8 +25,8 @@ def chip(name="x", memory=1.0, peak=1.0, per_node=4, intra=100.0, inter=10.0, dt
                     precision=Precision(dtype, dtype))
 
 
-def cost(f, b, send=0.0, dp=0.0, opt=0.0, lat=0.0):
-    return StageCost(f, b, b / 2, send, 0, dp, opt, 0, 0, lat)
+def cost(f, b, send=0.0, dp=0.0, opt=0.0, lat=0.0, w=None):
+    return StageCost(f, b, b / 2 if w is None else w, send, 0, dp, opt, 0, 0, lat)
 
 
 # ----------------------------------------------------------------------------- iteration time
@@ -37,6 +37,23 @@ def cost(f, b, send=0.0, dp=0.0, opt=0.0, lat=0.0):
 def test_uniform_stages_without_communication_take_m_plus_p_minus_1_slots(schedule, p, m):
     f, b = 0.013, 0.029
     assert iteration_time([cost(f, b)] * p, m, schedule) == pytest.approx((m + p - 1) * (f + b), rel=1e-12)
+
+
+@pytest.mark.parametrize("p, m", [(1, 1), (1, 5), (4, 8), (3, 17)])
+def test_uniform_closed_forms_of_zb_h1_and_interleaved(p, m):
+    f, b, w = 0.013, 0.029, 0.011
+    zb = iteration_time([cost(f, b, w=w)] * p, m, "zb-h1")
+    assert zb == pytest.approx(m * (f + b) + (p - 1) * (f + b - 2 * w), rel=1e-12)
+    for v in (2, 4):
+        t = iteration_time([cost(f, b)] * p, m, "interleaved-1f1b", v)
+        assert t == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v, rel=1e-12)
+
+
+def test_bubble_fraction_is_one_definition_and_zero_for_one_stage():
+    for name, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        assert cm.bubble_fraction([cost(0.5, 1.0, w=0.4, dp=0.3, opt=0.2)], 6, name, v) == 0.0
+    p, m = 4, 8
+    assert cm.bubble_fraction([cost(1.0, 2.0)] * p, m, "1f1b") == pytest.approx((p - 1) / (m + p - 1))
 
 
 def test_heterogeneous_1f1b_bottleneck_sets_steady_state_fill_pays_every_stage():
@@ -150,10 +167,22 @@ def test_memory_terms_count_params_grads_optimizer_and_in_flight():
     assert unsharded.layer_static == TINY.layer_param_count() / 2 * 16
 
 
-def test_in_flight_is_p_minus_i_for_1f1b_and_m_for_gpipe():
-    assert [cm.in_flight("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
-    assert [cm.in_flight("1f1b", i, 4, 2) for i in range(4)] == [2, 2, 2, 1]
-    assert [cm.in_flight("gpipe", i, 4, 8) for i in range(4)] == [8] * 4
+def test_in_flight_is_the_registrys_rule():
+    assert [cm.memory_holds("1f1b", i, 4, 8) for i in range(4)] == [(4, 0), (3, 0), (2, 0), (1, 0)]
+    assert [cm.memory_holds("1f1b", i, 4, 2)[0] for i in range(4)] == [2, 2, 2, 1]
+    assert [cm.memory_holds("gpipe", i, 4, 8)[0] for i in range(4)] == [8] * 4
+    # ZB-H1: every stage holds p (the first stage's 1F1B peak); stage i defers i + 1 W's
+    assert [cm.memory_holds("zb-h1", i, 4, 8) for i in range(4)] == [(4, 1), (4, 2), (4, 3), (4, 4)]
+    # interleaved, v = 2: stage i holds 2(p - i - 1) + p + 1 chunks, each half the stage's layers
+    assert [cm.memory_holds("interleaved-1f1b", i, 4, 8, 2)[0] for i in range(4)] == [5.5, 4.5, 3.5, 2.5]
+
+
+def test_deferred_weight_gradients_take_memory():
+    c = load_chip("cpu")
+    plain = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", False, False, 3)
+    zb = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", False, False, 3, deferred=2)
+    per_token = TINY.d_model * 4  # one layer's output gradient, f32 on this chip
+    assert zb.total_bytes(5) - plain.total_bytes(5) == pytest.approx(2 * 5 * (4 / 2 * 16) * per_token)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -174,7 +203,7 @@ def test_planned_plan_round_trips_and_its_costs_reproduce_the_prediction(tmp_pat
     again = load_plan(path)
     assert again.stages == plan.stages and again.micro_batch == plan.micro_batch
     t = iteration_time(stage_costs(again, cluster), again.n_micro, again.schedule)
-    assert t == pytest.approx(plan.predicted["iteration_time_s"], rel=1e-12)
+    assert t == pytest.approx(plan.predicted["step_time_s"], rel=1e-12)
     assert plan.predicted["tokens_per_s"] == pytest.approx(16 * 64 / t, rel=1e-12)
     # mapping chip-name -> ChipType works the same as a Cluster
     t2 = iteration_time(stage_costs(again, {"cpu": load_chip("cpu")}), again.n_micro, "1f1b")
@@ -285,7 +314,7 @@ def test_cli_plan_json_writes_a_loadable_plan(tmp_path, capsys):
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     plan = load_plan(out)
-    assert printed["plan"]["predicted"]["iteration_time_s"] == plan.predicted["iteration_time_s"]
+    assert printed["plan"]["predicted"]["step_time_s"] == plan.predicted["step_time_s"]
     assert len(printed["top_k"]) == 3
     assert printed["plan"]["predicted"]["chips_unused"] == {"cpu": 4}  # four slow CPUs only slow it down
     ratio = plan.predicted["hetero_speedup_ratio"]

@@ -93,7 +93,7 @@ def test_time_limit_returns_the_best_found_with_a_valid_lower_bound():
 
 
 @pytest.mark.parametrize("layers", [1, 2, 3])
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "interleaved-1f1b"])
 def test_models_of_one_to_three_layers(layers, schedule):
     """The position DP's edges: a one-stage pipeline (first and last at once), no middle stage."""
     model = {"vocab_size": 256, "d_model": 64, "n_layers": layers, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128}
@@ -104,3 +104,54 @@ def test_models_of_one_to_three_layers(layers, schedule):
     (full,), _ = top_k(cluster, model, 32, 4, schedule=schedule, exhaustive=True)
     assert fast.time_s == pytest.approx(full.time_s, rel=1e-9)
     assert stats.proved_optimal
+
+
+# ----------------------------------------------------------------------------- every schedule
+
+
+def _best(exhaustive, cluster, model, seq, batch, schedule):
+    try:
+        (best,), stats = top_k(cluster, model, seq, batch, schedule=schedule, exhaustive=exhaustive)
+    except PlannerError as e:
+        assert "no plan fits" in str(e)
+        return None, None
+    return best, stats
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=st.tuples(small_clusters(2, 8), st.sampled_from(["tiny", "small"])),
+    seq=st.sampled_from([32, 128]),
+    batch=st.sampled_from([2, 4, 8]),
+    schedule=st.sampled_from(["zb-h1", "interleaved-1f1b"]),
+)
+def test_the_exact_search_extends_to_every_schedule(case, seq, batch, schedule):
+    """ZB-H1's and interleaved 1F1B's closed forms (v = 2 and 4) through the same exact search:
+    it matches enumeration."""
+    cluster, model = case
+    fast, fast_stats = _best(False, cluster, model, seq, batch, schedule)
+    full, _ = _best(True, cluster, model, seq, batch, schedule)
+    assert (fast is None) == (full is None)
+    if fast is None:
+        return
+    assert fast.time_s == pytest.approx(full.time_s, rel=1e-9)
+    assert fast_stats.proved_optimal
+
+
+def test_auto_searches_every_schedule_and_reports_the_winner():
+    from h2jax.planner import plan_cluster
+
+    a = ChipType("a", "cpu", 0.05, 1.0, 2, 50.0, 2.0, "t")
+    b = ChipType("b", "cpu", 0.2, 0.3, 4, 5.0, 0.5, "t")
+    cluster = Cluster((ChipGroup(a, 4), ChipGroup(b, 4)))
+    result = plan_cluster(cluster, "tiny", 32, 8, schedule="auto", baselines=False)
+    times = result.plan.predicted["schedule_times_s"]
+    assert set(times) >= {"1f1b", "gpipe", "zb-h1"}
+    assert list(times.values()) == sorted(times.values())
+    won = next(iter(times))
+    assert result.plan.schedule == won.split(" ")[0]
+    assert result.plan.predicted["step_time_s"] == pytest.approx(times[won])
+    # auto is the best of each schedule's exact search: the exhaustive one agrees
+    (full,), _ = top_k(cluster, "tiny", 32, 8, schedule="auto", exhaustive=True)
+    assert full.time_s == pytest.approx(times[won], rel=1e-9)

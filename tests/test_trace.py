@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from h2jax import schedule as sched
+from h2jax import schedules as sched
 from h2jax.planner.stage_cost import StageCost
 from h2jax.sim import simulate
 from h2jax.trace import read_trace, trace_dict, write_trace
@@ -22,24 +22,20 @@ def _costs(p):
     ]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
-def test_simulated_trace_has_every_action_on_its_stage(tmp_path, name):
-    p, m = 4, 6
-    r = simulate(_costs(p), m, name, record=True)
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_simulated_trace_has_every_action_on_its_stage(tmp_path, name, v):
+    p, m = 4, 8
+    r = simulate(_costs(p), m, name, virtual_stages=v, record=True)
     path = write_trace(r.events, tmp_path / "t.json", stage_names=[f"stage {i} (x)" for i in range(p)])
     raw = json.loads(path.read_text())  # parses as JSON
     slices = [e for e in raw["traceEvents"] if e["ph"] != "M"]
     names = {e["pid"]: e["args"]["name"] for e in raw["traceEvents"] if e["name"] == "process_name"}
     assert names == {i: f"stage {i} (x)" for i in range(p)}  # one track per stage
     assert {e["pid"] for e in slices} == set(range(p))
-    lists = (sched.build_sim(name, p, m) if name != "zb-h1"
-             else None)  # zb-h1's order depends on costs; count kinds instead
+    lists = sched.get_schedule(name).build(p, m, v)
     for i in range(p):
         got = Counter(e["name"] for e in slices if e["pid"] == i)
-        if lists is not None:
-            assert got == Counter(repr(a) for a in lists[i])
-        else:
-            assert all(got[f"{k}{j}"] == 1 for k in "FBW" for j in range(m))
+        assert got == Counter(repr(a) for a in lists[i])
     # Compute slices on one stage never overlap; their sum is the stage's busy time.
     for i in range(p):
         comp = sorted((e["ts"], e["dur"]) for e in slices if e["pid"] == i and e["cat"] == "compute")

@@ -14,6 +14,8 @@ from h2jax.speedup import compare, parse_tokens
 
 
 def add_parser(sub) -> None:
+    from h2jax.schedules import AUTO, NAMES
+
     p = sub.add_parser("compare", help="HeteroSpeedupRatio of a mixed cluster, batch-matched",
                        description=__doc__)
     p.add_argument("--cluster", required=True, help="cluster file (TOML), e.g. plans/cluster-1024.toml")
@@ -23,7 +25,8 @@ def add_parser(sub) -> None:
                    help="tokens per optimizer step, e.g. 4194304 or 4M (binary suffixes)")
     p.add_argument("--baseline-global-batch-tokens",
                    help="also compare with homogeneous baselines at this batch (the paper's method)")
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument("--schedule", default=AUTO, choices=(AUTO, *NAMES),
+                   help="pipeline schedule (default auto: the fastest registered schedule per run)")
     p.add_argument("--profile", help="measured profile (from `h2jax profile`)")
     p.add_argument("--time-limit", type=float, default=60.0,
                    help="stop the mixed-cluster search after this many seconds with the best plan "
@@ -62,8 +65,8 @@ def _print(d: dict) -> None:
 
     console = make_console()
     table = Table(title=f"{d['cluster']}: planned by the cost model, timed by the simulator")
-    for col in ("run", "chips", "used", "batch", "stages", "m", "s/step sim", "s/step model",
-                "tokens/s", "TGS"):
+    for col in ("run", "chips", "used", "batch", "stages", "m", "schedule", "bubble", "s/step sim",
+                "s/step model", "tokens/s", "TGS"):
         table.add_column(col, justify="right")
     rows = [("mixed", d["mixed"])] + list(d["baselines_same_batch"].items())
     if d["baselines_fixed_batch"]:
@@ -72,8 +75,9 @@ def _print(d: dict) -> None:
         table.add_row(
             name, str(r["cluster_chips"]), _fmt(r["chips_used"], "d"),
             f"{r['global_batch_tokens'] / 2**20:g}M", _fmt(r["stages"], "d"), _fmt(r["n_micro"], "d"),
-            _fmt(r["simulated_s"], ".3f"), _fmt(r["predicted_s"], ".3f"),
-            _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["tgs"], ",.0f"),
+            r["schedule"] or "-", _fmt(r["predicted"]["bubble_fraction"], ".1%"),
+            _fmt(r["simulated"]["step_time_s"], ".3f"), _fmt(r["predicted"]["step_time_s"], ".3f"),
+            _fmt(r["simulated"]["tokens_per_s"], ",.0f"), _fmt(r["simulated"]["tokens_per_chip_per_s"], ",.0f"),
         )
     console.print(table)
     for name, r in rows:

@@ -120,7 +120,8 @@ def main(args: argparse.Namespace) -> int:
                               recompute=("none",), micro_batches=(1,))
         plan = result.plan
         console.print(plan_table(plan, title=f"HeteroAuto plan: {plan.n_stages} stages, {plan.n_micro} "
-                                 f"micro-batches of {plan.micro_batch} x {plan.seq_len} tokens, {plan.schedule}"))
+                                 f"micro-batches of {plan.micro_batch} x {plan.seq_len} tokens, {plan.schedule}, "
+                                 f"bubble {plan.predicted['bubble_fraction']:.1%}"))
         if attempt == 0:
             console.print(f"3. Training {args.steps} steps on the Python standard library's source (byte tokens)...")
         try:
@@ -166,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
                 "tokens/chip/s", "tokens/used chip/s"):
         table.add_column(col)
     table.add_row("mixed", str(cluster.n_chips), str(plan.n_devices), str(plan.n_stages),
-                  f"{plan.predicted['iteration_time_s']:.3f}", f"{mixed.step_time_s:.3f}", f"{mixed.tokens_per_s:,.0f}",
+                  f"{plan.predicted['step_time_s']:.3f}", f"{mixed.step_time_s:.3f}", f"{mixed.tokens_per_s:,.0f}",
                   f"{mixed.tokens_per_s / cluster.n_chips:,.1f}", f"{mixed.tokens_per_s / plan.n_devices:,.1f}")
     for name, b in measured.items():
         pred = result.baselines[name].iteration_time_s
@@ -191,12 +192,13 @@ def main(args: argparse.Namespace) -> int:
             "cluster": cluster.name, "model": args.model, "chips": cluster.counts,
             "chips_used": used, "chips_idle": idle, "emulated": bool(emulated),
             "plan": plan.to_dict(), "losses": mixed.losses,
-            "predicted_step_s": plan.predicted["iteration_time_s"], "measured_step_s": mixed.step_time_s,
+            "predicted": {"step_time_s": plan.predicted["step_time_s"]}, "measured": {"step_time_s": mixed.step_time_s},
+            "bubble_fraction": plan.predicted["bubble_fraction"],
             "tokens_per_s": mixed.tokens_per_s, "tokens_per_chip_per_s": mixed.tokens_per_s / cluster.n_chips,
             "tokens_per_used_chip_per_s": mixed.tokens_per_s / plan.n_devices,
             "baselines": {n: {"chips": b.chips, "chips_used": b.plan.n_devices if b.plan else 0,
-                              "predicted_step_s": result.baselines[n].iteration_time_s,
-                              "measured_step_s": b.iteration_time_s, "tokens_per_s": b.tokens_per_s,
+                              "predicted": {"step_time_s": result.baselines[n].iteration_time_s},
+                              "measured": {"step_time_s": b.iteration_time_s}, "tokens_per_s": b.tokens_per_s,
                               "tokens_per_chip_per_s": b.tgs, "reason": b.reason}
                           for n, b in measured.items()},
             "hetero_speedup_ratio": ratio, "hetero_speedup_ratio_predicted": predicted_ratio,

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from h2jax.config import ConfigError
+from h2jax.names import format_layers, format_mesh
 
 
 def add_parser(sub) -> None:
@@ -22,7 +23,12 @@ def add_parser(sub) -> None:
     batch.add_argument("--global-batch-tokens",
                        help="tokens per optimizer step, a multiple of --seq-len, e.g. 2097152 or 2M (binary suffixes)")
     batch.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
+    from h2jax.schedules import AUTO, NAMES
+
+    p.add_argument("--schedule", default=AUTO, choices=[AUTO, *NAMES],
+                   help="pipeline schedule (default auto: search every schedule and keep the fastest)")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="layer chunks per stage for interleaved-1f1b (default: search 2 and 4)")
     p.add_argument("--exhaustive", action="store_true",
                    help="enumerate every stage list and layer split (small clusters only): checks the search")
     p.add_argument("--profile", help="measured profile (from `h2jax profile`) to use instead of the analytical model")
@@ -72,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     result = plan_cluster(
         cluster, args.model, args.seq_len, global_batch, schedule=args.schedule, exhaustive=args.exhaustive,
         profile=profile, k=max(args.top_k, args.refine_with_sim or 1), baselines=not args.no_baselines,
-        baseline_global_batch=baseline_batch, time_limit_s=args.time_limit,
+        baseline_global_batch=baseline_batch, time_limit_s=args.time_limit, virtual_stages=args.virtual_stages,
     )
     if args.refine_with_sim:
         result = refined_by_simulation(result, cluster, profile)
@@ -84,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
         out["attention"] = {s.chip: cluster.chips[s.chip].attention_kernel for s in result.plan.stages}
         if args.top_k > 1:
             out["top_k"] = [
-                {"iteration_time_s": c.time_s, "micro_batch": c.micro_batch,
+                {"step_time_s": c.time_s, "micro_batch": c.micro_batch,
                  "stages": [{"chip": s.chip, "mesh": {"data": s.mesh.data, "tensor": s.mesh.tensor},
                              "layers": list(s.layers), "recompute": s.recompute} for s in c.stages()]}
                 for c in result.candidates
@@ -112,11 +118,11 @@ def refined_by_simulation(result: Any, cluster: Any, profile: Any) -> Any:
     predicted = dict(result.plan.predicted)
     if best != candidates[0]:
         predicted.update(predict(best, cluster, profile, CostOptions.of(best)))
-    predicted["simulated_iteration_time_s"] = sim.iteration_s
+    predicted["simulated"] = {"step_time_s": sim.iteration_s}
     predicted["refined_with_sim"] = {
         "k": len(candidates),
         "rank_under_cost_model": candidates.index(best),
-        "simulated_s": [r.iteration_s for _, r in ranked],
+        "simulated": {"step_time_s": [r.iteration_s for _, r in ranked]},
     }
     return dataclasses.replace(result, plan=dataclasses.replace(best, predicted=predicted))
 
@@ -129,21 +135,30 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     from h2jax.cli.console import count, gib, make_console
 
     console = make_console()
+    from h2jax.planner.space import schedule_label
+
     table = Table(title=f"{plan.model_name or 'model'} on {cluster.name} ({count(cluster.n_chips, 'chip')}): "
-                  f"{count(plan.n_stages, 'stage')}, micro-batch {plan.micro_batch} x {plan.n_micro}, {plan.schedule}")
+                  f"{count(plan.n_stages, 'stage')}, micro-batch {plan.micro_batch} x {plan.n_micro}, "
+                  f"{schedule_label(plan.schedule, plan.virtual_stages)}")
     for col in ("stage", "chip", "data x tensor", "layers", "recompute", "attention", "memory GiB"):
         table.add_column(col, justify="right" if col in ("stage", "memory GiB") else "left")
     for i, s in enumerate(plan.stages):
         table.add_row(
-            str(i), s.chip, f"{s.mesh.data} x {s.mesh.tensor}", f"{s.layers[0]}-{s.layers[1] - 1} ({s.n_layers})",
+            str(i), s.chip, format_mesh(s.mesh.data, s.mesh.tensor),
+            format_layers(r for r in s.layer_ranges if r[1] > r[0]) + f" ({s.n_layers})",
             s.recompute, cluster.chips[s.chip].attention_kernel,
             f"{gib(pred['memory_gib'][i])} / {gib(pred['memory_capacity_gib'][i])}",
         )
     console.print(table)
     console.print(
-        f"iteration {pred['iteration_time_s']:.4g} s, {pred['tokens_per_s']:,.0f} tokens/s, "
-        f"TGS {pred['tgs']:,.1f} tokens/chip/s, MFU {pred['mfu']:.1%}, bubble {pred['bubble_fraction']:.1%}"
+        f"step {pred['step_time_s']:.4g} s, {pred['tokens_per_s']:,.0f} tokens/s, "
+        f"TGS {pred['tokens_per_chip_per_s']:,.1f} tokens/chip/s, MFU {pred['mfu']:.1%}, bubble {pred['bubble_fraction']:.1%}"
     )
+    times = pred.get("schedule_times_s") or {}
+    if len(times) > 1:  # --schedule auto: which schedule won, and by how much
+        (won, t_won), *rest = times.items()
+        console.print(f"schedule: {won} won; " + ", ".join(
+            f"{name} {t:.4g} s (+{t / t_won - 1:.1%})" for name, t in rest))
     unused = pred.get("chips_unused") or {}
     if unused:
         console.print("chips left unused (faster without them): " + ", ".join(f"{n} x {c}" for c, n in unused.items()))

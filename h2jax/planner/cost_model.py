@@ -54,13 +54,16 @@ memory-bound: 28 bytes per owned parameter for AdamW (read p, g, m, v; write p, 
 12 for SGD, at an HBM bandwidth estimated as peak / MACHINE_BALANCE (chip files carry no
 HBM figure; 200 FLOP/byte is within 2x of every shipped chip's sheet).
 
-Iteration time (closed form, t_i = f_i + b_i, c_i = send_i + link latency):
+Iteration time: each schedule's closed form (h2jax/schedules/, `ClosedForm`), over the
+per-stage times above (t_i = f_i + b_i, w_i the weight-gradient part of b_i, c_i = send_i +
+link latency, tail_i = dp_i + opt_i), e.g.
 
-    1F1B:  sum_i t_i + 2*sum_i c_i + (m-1)*max(max_i t_i, max_i send_i) + max_i (dp_i + opt_i)
+    1F1B:  sum_i t_i + 2*sum_i c_i + (m-1)*max(max_i t_i, max_i send_i) + max_i tail_i
     GPipe: sum_i (f_i + b_i) + 2*sum_i c_i + (m-1)*(max(max f, max send) + max(max b, max send))
-           + max_i (dp_i + opt_i)
+           + max_i tail_i
 
-For uniform stages without communication both reduce to (m + p - 1)*(f + b).
+For uniform stages without communication both reduce to (m + p - 1)*(f + b). Under
+interleaved 1F1B the last stage also sends to the first (chunk c to chunk c + 1).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from h2jax.plan import Optimizer, Plan
 from h2jax.planner import memory_model as mm
 from h2jax.planner.profile import Profile
 from h2jax.planner.stage_cost import StageCost
+from h2jax.schedules import bubble_fraction as _bubble, get_schedule
 
 E_MAX = 0.75
 N_HALF = 256.0  # tokens per device at which the token factor of efficiency is one half
@@ -193,9 +197,10 @@ def stage_terms(
     recompute: str,
     first: bool,
     last: bool,
-    in_flight: int,
+    in_flight: float,
     profile: Profile | None = None,
     options: CostOptions = CostOptions(),
+    deferred: int = 0,
 ) -> StageTerms:
     d, V = model.d_model, model.vocab_size
     tokens = micro_batch / data * seq_len
@@ -254,7 +259,7 @@ def stage_terms(
 
     mem = mm.stage_memory_terms(
         model, seq_len, micro_batch, chip, data, tensor, recompute, first, last, in_flight,
-        options.shard_optimizer, options.optimizer, measured_act,
+        options.shard_optimizer, options.optimizer, measured_act, deferred,
     )
     return StageTerms(
         fwd_layer, fwd_end, bwd_layer, bwd_end, bwd_weight_layer, bwd_weight_end,
@@ -289,11 +294,15 @@ def chips_by_name(
     return cluster_or_chips
 
 
-def in_flight(schedule: str, stage: int, n_stages: int, n_micro: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at its peak."""
-    if schedule == "gpipe":
-        return n_micro
-    return min(n_stages - stage, n_micro)
+def virtual_stages(plan: Plan) -> int:
+    return getattr(plan, "virtual_stages", 1)
+
+
+def memory_holds(schedule: str, stage: int, n_stages: int, n_micro: int, v: int = 1) -> tuple[float, int]:
+    """(in flight, deferred) for the memory model: the schedule's activations held at peak in
+    whole-stage micro-batch units, and its micro-batches waiting for their weight gradient."""
+    s = get_schedule(schedule)
+    return s.memory_in_flight(stage, n_stages, n_micro, v), s.deferred(stage, n_stages, n_micro, v)
 
 
 def plan_stage_terms(
@@ -313,9 +322,10 @@ def plan_stage_terms(
             raise ConfigError(
                 f"stages[{i}].chip {st.chip!r} is not in the cluster; it has {', '.join(chips) or '(none)'}"
             )
+        held, deferred = memory_holds(plan.schedule, i, p, plan.n_micro, virtual_stages(plan))
         out.append(stage_terms(
             plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
-            st.recompute, i == 0, i == p - 1, in_flight(plan.schedule, i, p, plan.n_micro), profile, options,
+            st.recompute, i == 0, i == p - 1, held, profile, options, deferred,
         ))
     return out
 
@@ -336,8 +346,9 @@ def stage_costs(
     costs = []
     for i, (st, t) in enumerate(zip(plan.stages, terms)):
         n = st.n_layers
-        if i < p - 1:
-            nxt = plan.stages[i + 1]
+        wraps = i == p - 1 and p > 1 and virtual_stages(plan) > 1  # chunk c -> chunk c + 1
+        if i < p - 1 or wraps:
+            nxt = plan.stages[(i + 1) % p]
             send_s, send_bytes = send_terms(
                 plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
                 chips[nxt.chip], nxt.mesh.data, nxt.mesh.tensor,
@@ -360,27 +371,37 @@ def stage_costs(
     return costs
 
 
-def iteration_time(costs: list[StageCost], n_micro: int, schedule: str = "1f1b") -> float:
-    """Closed-form seconds of one optimizer step; see the module docstring."""
+def _check(costs: list[StageCost], n_micro: int) -> None:
     if not costs:
         raise ConfigError("iteration_time needs at least one stage")
     if n_micro < 1:
         raise ConfigError(f"n_micro must be >= 1, got {n_micro}")
+
+
+def pipeline_time(costs: list[StageCost], n_micro: int, schedule: str = "1f1b", v: int = 1) -> float:
+    """Closed-form seconds of one step's pipeline phase (fill, steady state, drain): the
+    schedule's `ClosedForm` (h2jax/schedules/)."""
+    _check(costs, n_micro)
+    try:
+        form = get_schedule(schedule).closed_form
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     links = sum(c.send_s + c.link_latency_s for c in costs)
-    max_send = max(c.send_s for c in costs)
-    tail = max(c.dp_reduce_s + c.optimizer_s for c in costs)
-    if schedule == "1f1b":
-        steady = max(max(c.forward_s + c.backward_s for c in costs), max_send)
-        fill = sum(c.forward_s + c.backward_s for c in costs)
-    elif schedule == "gpipe":
-        steady = max(max(c.forward_s for c in costs), max_send) + max(max(c.backward_s for c in costs), max_send)
-        fill = sum(c.forward_s for c in costs) + sum(c.backward_s for c in costs)
-    else:
-        raise ConfigError(f"schedule {schedule!r} is unknown; use 1f1b or gpipe")
-    return fill + 2.0 * links + (n_micro - 1) * steady + tail
+    return float(form.pipeline_time(
+        [c.forward_s for c in costs], [c.backward_s for c in costs], [c.backward_weight_s for c in costs],
+        links, max(c.send_s for c in costs), n_micro, v,
+    ))
 
 
-def bubble_fraction(costs: list[StageCost], n_micro: int, iteration_s: float) -> float:
-    """Share of stage-seconds not spent on forward/backward compute: (p-1)/(m+p-1) when uniform."""
-    busy = n_micro * sum(c.forward_s + c.backward_s for c in costs)
-    return 1.0 - busy / (len(costs) * iteration_s)
+def iteration_time(costs: list[StageCost], n_micro: int, schedule: str = "1f1b", v: int = 1) -> float:
+    """Closed-form seconds of one optimizer step: the pipeline phase, then the slowest stage's
+    data-parallel reduction and optimizer step."""
+    tail = max(c.dp_reduce_s + c.optimizer_s for c in costs) if costs else 0.0
+    return pipeline_time(costs, n_micro, schedule, v) + tail
+
+
+def bubble_fraction(costs: list[StageCost], n_micro: int, schedule: str = "1f1b", v: int = 1) -> float:
+    """The schedule's bubble fraction for these stages (h2jax.schedules.bubble_fraction over the
+    closed-form pipeline phase): (p-1)/(m+p-1) under 1F1B when uniform, 0 for one stage."""
+    busy = [n_micro * (c.forward_s + c.backward_s) for c in costs]
+    return _bubble(busy, pipeline_time(costs, n_micro, schedule, v))

@@ -34,9 +34,9 @@ from typing import Sequence
 import numpy as np
 
 from h2jax.planner import positions as pos
-from h2jax.planner.search import (
-    SearchStats, _Context, _Envelope, _envelope_bottleneck, _envelope_bound, _OutOfTime, _shape_tables, _solve, _Staircase,
-    _TopK,
+from h2jax.planner.space import Context, SearchStats
+from h2jax.planner.split import (
+    Envelope, OutOfTime, Staircase, TopK, envelope_bottleneck, envelope_bound, shape_tables, solve,
 )
 
 RESOLVE_FRACTION = 1.0  # resolve a box once its width costs at most this share of its gap,
@@ -64,6 +64,7 @@ class _Batch:
     lam_grid: np.ndarray
     tail_max: float  # no stage's tail exceeds this
     steady_max: np.ndarray  # (K,) per steady component: every shape holds all L layers under it
+    steady_weight: float = math.nan  # each steady component's weight (m - 1 under 1F1B)
     rows: int = 0  # bound rows evaluated, for SearchStats
 
     @property
@@ -73,7 +74,7 @@ class _Batch:
     @property
     def weight(self) -> np.ndarray:
         """Each threshold's weight in the iteration time: m - 1 per steady component, 1 the tail."""
-        return np.array([self.m - 1.0] * self.K + [1.0])
+        return np.array([self.steady_weight] * self.K + [1.0])
 
     def corner(self, V: float, tau: float) -> np.ndarray:
         """Thresholds with every steady component at V."""
@@ -134,7 +135,7 @@ def _lagrangian_rows(batch: _Batch, L: int, corners: np.ndarray, box: np.ndarray
     return out
 
 
-def _root_bound(ctx: _Context, b: int) -> tuple[float, float]:
+def _root_bound(ctx: Context, b: int) -> tuple[float, float]:
     """(iteration, steady): lower bounds for micro-batch b before its tables are built, from
     the per-shape layer caps at one micro-batch in flight (search.py's envelope: the most
     layers the cluster holds under a steady V) and the cheapest way to place the layers
@@ -143,18 +144,20 @@ def _root_bound(ctx: _Context, b: int) -> tuple[float, float]:
     shapes = ctx.type_shapes(b, prune_unfit=True)
     if not any(shapes):
         return math.inf, math.inf
-    rest = _Envelope.zero()
+    rest = Envelope.zero()
     for opts in shapes:
-        rest = rest + _Envelope.of_options(opts, L, 1, m)
-    cheapest = min(o.layer_s for opts in shapes for o in opts)
-    stairs = [_Staircase(*_shape_tables(opts, L, 1, m)) for opts in shapes]
-    return _envelope_bound(m, L, rest, cheapest, stairs), _envelope_bottleneck(L, rest)
+        rest = rest + Envelope.of_options(opts, L, 1, m)
+    cheapest = min(o.fill for opts in shapes for o in opts)
+    stairs = [Staircase(*shape_tables(opts, L, 1, m)) for opts in shapes]
+    weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
+    return envelope_bound(weight, L, rest, cheapest, stairs), envelope_bottleneck(L, rest)
 
 
-def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batch | None:
+def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool) -> _Batch | None:
     """The tables of micro-batch b; `bracket`: also bracket the smallest feasible steady
     (v_fits, where the dives start; else v_fits is unknown and v_feasible = v_balance)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
+    weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
     tables = pos.type_tables(ctx, b)
     if not any(t.size for t in tables):
         return None
@@ -177,7 +180,7 @@ def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batc
     lo = min(v_balance, hi)
     floor = lo if K == 1 else 0.0
     if not bracket:
-        return _Batch(b, m, tables, floor, math.nan, grid, t_max, steady_max)
+        return _Batch(b, m, tables, floor, math.nan, grid, t_max, steady_max, weight)
     if not fits(np.array([hi]))[0]:
         return None
     for _ in range(3):
@@ -186,13 +189,13 @@ def _make_batch(ctx: _Context, b: int, v_balance: float, bracket: bool) -> _Batc
         first = int(np.argmax(ok)) if ok.any() else len(probes)
         lo = float(probes[first - 1]) if first > 0 else lo
         hi = float(probes[first]) if first < len(probes) else hi
-    return _Batch(b, m, tables, lo if K == 1 else 0.0, hi, grid, t_max, steady_max)
+    return _Batch(b, m, tables, lo if K == 1 else 0.0, hi, grid, t_max, steady_max, weight)
 
 
 class _Enumerator:
     """Depth-first over stage lists in one box, chip types from the end of the pipeline."""
 
-    def __init__(self, ctx: _Context, batch: _Batch, top: _TopK, stats: SearchStats, solved: set, deadline: float):
+    def __init__(self, ctx: Context, batch: _Batch, top: TopK, stats: SearchStats, solved: set, deadline: float):
         self.ctx, self.batch, self.top, self.stats, self.solved = ctx, batch, top, stats, solved
         self.deadline = deadline
         self.L = ctx.model.n_layers
@@ -242,7 +245,7 @@ class _Enumerator:
             if bound >= self.top.bound or self.leaves_left == 0:
                 return
             if time.perf_counter() > self.deadline:
-                raise _OutOfTime
+                raise OutOfTime
             here = ((t2, s, k),) + blocks
             if is_front:
                 self._leaf(here)
@@ -257,7 +260,7 @@ class _Enumerator:
         if self.leaves_left is not None:
             self.leaves_left -= 1
         chosen = [dataclasses.replace(self.tables[t].options[s], stages=k) for t, s, k in blocks]
-        _solve(self.ctx, self.batch.b, chosen, self.top, self.stats)
+        solve(self.ctx, self.batch.b, chosen, self.top, self.stats)
 
 
 @dataclasses.dataclass(order=True)
@@ -283,16 +286,21 @@ def _shrink(batch: _Batch, lo: np.ndarray, hi: np.ndarray, gap: float) -> np.nda
 
 
 def search(
-    ctx: _Context, micro_batches: Sequence[int], top: _TopK, stats: SearchStats, deadline: float = math.inf
+    ctx: Context, micro_batches: Sequence[int], top: TopK, stats: SearchStats, deadline: float = math.inf
 ) -> None:
-    """Fill `top` with the K best stage lists of the space, exactly; raises _OutOfTime (with
+    """Fill `top` with the K best stage lists of the space, exactly; raises OutOfTime (with
     stats.lower_bound_s a valid lower bound on the optimum) when the deadline passes."""
     L = ctx.model.n_layers
     solved: set = set()
     counter = itertools.count()
     heap: list[_Box] = []
     # micro-batch sizes by a cheap bound; each one's tables are built when its turn comes
-    pending = sorted((_root_bound(ctx, b) + (b,) for b in micro_batches), key=lambda r: r[0])
+    def root(b: int) -> tuple:
+        if time.perf_counter() > deadline:  # a global batch with thousands of divisors takes a while
+            raise OutOfTime
+        return _root_bound(ctx, b) + (b,)
+
+    pending = sorted((root(b) for b in micro_batches), key=lambda r: r[0])
     pending = [r for r in pending if math.isfinite(r[0])]
     if not pending:
         return
@@ -302,7 +310,7 @@ def search(
     def build(b: int, v_balance: float, bracket: bool = False) -> _Batch | None:
         if b not in batches:
             if time.perf_counter() > deadline:
-                raise _OutOfTime
+                raise OutOfTime
             batches[b] = _make_batch(ctx, b, v_balance, bracket)
             if batches[b] is not None:
                 stats.space_size += math.prod(int(t.k_max.sum()) + 1 for t in batches[b].tables) - 1
@@ -352,7 +360,7 @@ def search(
                     break
                 open_lbs.append(box.lb)
                 if time.perf_counter() > deadline:
-                    raise _OutOfTime
+                    raise OutOfTime
                 if box.batch is None:  # a micro-batch size whose turn has come: its root box
                     batch = build(box.b, box.v_balance)
                     if batch is not None:
@@ -378,7 +386,7 @@ def search(
                 )
             for batch, children in generation.values():
                 push_all(batch, children)
-        except _OutOfTime:
+        except OutOfTime:
             stats.lower_bound_s = min([*open_lbs, *(b.lb for b in heap)], default=top.bound)
             stats.bound_rows = sum(b.rows for b in batches.values() if b is not None)
             raise

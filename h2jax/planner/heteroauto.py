@@ -11,11 +11,13 @@ from h2jax.cluster import Cluster
 from h2jax.config import ModelConfig, get_config
 from h2jax.planner.hosts import assign_hosts
 from h2jax.plan import RECOMPUTE_POLICIES, Optimizer, Plan
+from h2jax import names as N
 from h2jax.planner import cost_model as cm
 from h2jax.planner.baselines import Baseline, hetero_speedup_ratio, homogeneous_baselines
 from h2jax.planner.memory_model import GIB
 from h2jax.planner.profile import Profile
 from h2jax.planner.search import Candidate, PlannerError, SearchStats, candidate_plan, top_k
+from h2jax.planner.space import chunk_ranges
 
 
 @dataclasses.dataclass
@@ -32,7 +34,7 @@ class PlanResult:
     def candidate_plans(self) -> list[Plan]:
         """The top-k candidates as plans (no `predicted`), fastest first under the cost model."""
         p = self.plan
-        plans = [candidate_plan(c, p.model, p.seq_len, p.global_batch, p.schedule, p.optimizer) for c in self.candidates]
+        plans = [candidate_plan(c, p.model, p.seq_len, p.global_batch, optimizer=p.optimizer) for c in self.candidates]
         return plans if self.cluster is None else [assign_hosts(q, self.cluster) for q in plans]
 
 
@@ -46,7 +48,7 @@ def predict(
     options = options or cm.CostOptions.of(plan)
     costs = cm.stage_costs(plan, cluster, profile, options)
     terms = cm.plan_stage_terms(plan, cluster, profile, options)
-    t = cm.iteration_time(costs, plan.n_micro, plan.schedule)
+    t = cm.iteration_time(costs, plan.n_micro, plan.schedule, plan.virtual_stages)
     tokens_per_s = plan.tokens_per_step / t
     used = Counter()
     for s in plan.stages:
@@ -60,12 +62,12 @@ def predict(
                 f"{term.mem.capacity / GIB:.2f} GiB; this is a planner bug, please report it"
             )
     return {
-        "iteration_time_s": t,
-        "tokens_per_s": tokens_per_s,
-        "tgs": tokens_per_s / cluster.n_chips,
-        "tgs_used_chips": tokens_per_s / sum(used.values()),
+        N.STEP_TIME_S: t,
+        N.TOKENS_PER_S: tokens_per_s,
+        N.TOKENS_PER_CHIP_PER_S: tokens_per_s / cluster.n_chips,
+        N.TOKENS_PER_USED_CHIP_PER_S: tokens_per_s / sum(used.values()),
         "mfu": cm.model_flops_per_token(plan.model, plan.seq_len) * tokens_per_s / peak,
-        "bubble_fraction": cm.bubble_fraction(costs, plan.n_micro, t),
+        "bubble_fraction": cm.bubble_fraction(costs, plan.n_micro, plan.schedule, plan.virtual_stages),
         "n_micro": plan.n_micro,
         "memory_gib": [m / GIB for m in memory],
         "memory_capacity_gib": [term.mem.capacity / GIB for term in terms],
@@ -93,6 +95,7 @@ def plan_cluster(
     baselines: bool = True,
     baseline_global_batch: int | None = None,
     time_limit_s: float | None = None,
+    virtual_stages: int | None = None,
 ) -> PlanResult:
     """The fastest plan for `cluster` under the cost model, with homogeneous baselines.
 
@@ -106,15 +109,16 @@ def plan_cluster(
     search_kwargs = dict(
         schedule=schedule, exhaustive=exhaustive, profile=profile,
         micro_batches=micro_batches, recompute=recompute, options=options, time_limit_s=time_limit_s,
+        virtual_stages=virtual_stages,
     )
     candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, **search_kwargs)
     best = candidates[0]
-    plan = candidate_plan(best, model, seq_len, global_batch, schedule, optimizer)
+    plan = candidate_plan(best, model, seq_len, global_batch, optimizer=optimizer)
     predicted = predict(plan, cluster, profile, options)
-    if not math.isclose(predicted["iteration_time_s"], best.time_s, rel_tol=1e-9):
+    if not math.isclose(predicted[N.STEP_TIME_S], best.time_s, rel_tol=1e-9):
         raise PlannerError(
             f"internal: search predicted {best.time_s} s but stage_costs gives "
-            f"{predicted['iteration_time_s']} s for the same plan; please report this"
+            f"{predicted[N.STEP_TIME_S]} s for the same plan; please report this"
         )
     predicted.update(
         search_time_s=stats.search_time_s,
@@ -125,6 +129,8 @@ def plan_cluster(
         lower_bound_s=stats.lower_bound_s,
         exhaustive=exhaustive,
     )
+    if len(stats.schedule_times) > 1:  # --schedule auto: each schedule's best, fastest first
+        predicted["schedule_times_s"] = dict(sorted(stats.schedule_times.items(), key=lambda kv: kv[1]))
 
     base: dict[str, Baseline] = {}
     ratio = None
@@ -162,12 +168,14 @@ def uniform_split(
     """The planned stages with layers split evenly: what the layer split is worth (None if unfit)."""
     if plan.n_stages > plan.model.n_layers:
         return None
-    stages = [dataclasses.replace(s, layers=lr) for s, lr in zip(plan.stages, even_layers(plan.model.n_layers, plan.n_stages))]
+    counts = [end - start for start, end in even_layers(plan.model.n_layers, plan.n_stages)]
+    chunks = chunk_ranges(counts, plan.virtual_stages)
+    stages = [dataclasses.replace(s, layers=c[0], chunks=None if len(c) == 1 else c) for s, c in zip(plan.stages, chunks)]
     even = plan.with_stages(stages)
     terms = cm.plan_stage_terms(even, cluster, profile, options)
     fits = all(t.mem.total_bytes(s.n_layers) <= t.mem.capacity for t, s in zip(terms, even.stages))
-    t = cm.iteration_time(cm.stage_costs(even, cluster, profile, options), even.n_micro, even.schedule)
-    return {"iteration_time_s": t, "tokens_per_s": even.tokens_per_step / t, "fits_in_memory": fits}
+    t = cm.iteration_time(cm.stage_costs(even, cluster, profile, options), even.n_micro, even.schedule, even.virtual_stages)
+    return {N.STEP_TIME_S: t, N.TOKENS_PER_S: even.tokens_per_step / t, "fits_in_memory": fits}
 
 
 def describe(result: PlanResult) -> Mapping[str, Any]:

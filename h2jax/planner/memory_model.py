@@ -5,7 +5,11 @@ Per device of a stage with l layers on a (D, T) mesh, micro-batch b, n = (b/D)*s
     params      = l * P_layer/T * param_bytes            (+ embedding V*d/T on stage 0,
     grads       = l * P_layer/T * 4                         head V*d/T + d on the last stage)
     optimizer   = l * P_layer/T * 8 / (D if sharded)     AdamW m and v in f32 (ZeRO-1 shards over D)
-    activations = in_flight * l * A(n)                   1F1B: in_flight = min(p - i, m); GPipe: m
+    activations = in_flight * l * A(n)                   in_flight: the schedule's rule (h2jax.schedules;
+                                                         1F1B: min(p - i, m); GPipe: m), in whole-stage units
+    deferred    = deferred * l * n*d*a                   split-backward schedules (ZB-H1): each micro-batch
+                                                         between its B and its W keeps every layer's output
+                                                         gradient for the W
     working     = one layer's un-recomputed activations if the stage recomputes (the layer being
                   recomputed during the backward), + f32 logits and their gradient, n*V/T*4*2,
                   on the last stage
@@ -86,11 +90,18 @@ class StageMemoryTerms:
 
     layer_static: float  # params + grads + optimizer state of one layer
     layer_activation: float  # one layer, one micro-batch
-    in_flight: int
+    in_flight: float  # micro-batches (whole-stage units) whose activations the stage holds at peak
     params_end: float  # embedding / head: params + grads + optimizer state
     working: float
     reserve: float
     capacity: float  # the chip's usable memory
+    deferred: int = 0  # micro-batches waiting for their weight gradient (W) at peak
+    layer_deferred: float = 0.0  # one layer's output gradient kept for the W, one micro-batch
+
+    @property
+    def per_layer(self) -> float:
+        """Bytes per layer: static, in-flight activations and deferred-W gradients."""
+        return self.layer_static + self.in_flight * self.layer_activation + self.deferred * self.layer_deferred
 
     def activation_bytes(self, n_layers: int) -> int:
         return int(self.layer_activation * n_layers)
@@ -100,18 +111,14 @@ class StageMemoryTerms:
         return int(self.layer_static * n_layers + self.params_end + self.working + self.reserve)
 
     def total_bytes(self, n_layers: int) -> float:
-        return (
-            (self.layer_static + self.in_flight * self.layer_activation) * n_layers
-            + self.params_end + self.working + self.reserve
-        )
+        return self.per_layer * n_layers + self.params_end + self.working + self.reserve
 
     def max_layers(self) -> int:
         """Most layers that fit (may be <= 0: not even one layer fits)."""
         room = self.capacity - self.params_end - self.working - self.reserve
-        per_layer = self.layer_static + self.in_flight * self.layer_activation
         if room < 0:
             return -1
-        return int(math.floor(room / per_layer + 1e-9))
+        return int(math.floor(room / self.per_layer + 1e-9))
 
     def breakdown(self, n_layers: int) -> dict[str, float]:
         """GiB per category, for reports."""
@@ -119,6 +126,7 @@ class StageMemoryTerms:
         return {
             "params_grads_optimizer": static / GIB,
             "activations": self.in_flight * self.layer_activation * n_layers / GIB,
+            "deferred_weight_gradients": self.deferred * self.layer_deferred * n_layers / GIB,
             "working": self.working / GIB,
             "reserve": self.reserve / GIB,
             "total": self.total_bytes(n_layers) / GIB,
@@ -136,10 +144,11 @@ def stage_memory_terms(
     recompute: str,
     first: bool,
     last: bool,
-    in_flight: int,
+    in_flight: float,
     shard_optimizer: bool = True,
     optimizer: str = "adamw",
     measured_activation: int | None = None,
+    deferred: int = 0,
 ) -> StageMemoryTerms:
     tokens = micro_batch / data * seq_len
     a = _DTYPE_BYTES[chip.precision.compute_dtype]
@@ -169,4 +178,6 @@ def stage_memory_terms(
         working=working,
         reserve=RESERVE_FRACTION * capacity,
         capacity=capacity,
+        deferred=deferred,
+        layer_deferred=tokens * model.d_model * a,
     )

@@ -50,17 +50,18 @@ class TypeTable:
     """One chip type's stage shapes at one micro-batch size, as arrays over shapes."""
 
     options: list  # search.Option per shape, `stages` = its most stages K_s
-    a: np.ndarray  # (S,) forward + backward seconds per layer and micro-batch
+    a: np.ndarray  # (S,) a layer's share of the fill (the schedule's fill coefficients, least over roles)
     tail_layer: np.ndarray  # (S,) dp-reduce + optimizer seconds per layer
     own_send: np.ndarray  # (S,) seconds of the sender's own term of each send it makes
     send_bytes: np.ndarray  # (S,) bytes of one micro-batch's activation it sends
     link_s_per_byte: np.ndarray  # (S,) seconds per byte over its stage's links (1/(D*T*bw))
     k_max: np.ndarray  # (S,) most stages (chips // stage size, at most L)
-    end_time: np.ndarray  # (4, S) per role: end-stage seconds per micro-batch
+    end_time: np.ndarray  # (4, S) per role: end-stage seconds of the fill
     end_tail: np.ndarray  # (4, S) per role: tail seconds that do not scale with layers
     memcap: np.ndarray  # (4, S, L) per role and position j = 1..L: most layers in memory
-    # the steady state's components (1F1B: forward + backward; GPipe: forward, backward), each
-    # at most its threshold: per-layer seconds (K, S) and end-stage seconds (K, 4, S)
+    # the steady state's components (the schedule's closed form: 1F1B forward + backward; GPipe
+    # forward, backward), each at most its threshold: per-layer seconds (K, S) and end-stage
+    # seconds (K, 4, S)
     steady_a: np.ndarray
     steady_end: np.ndarray
 
@@ -70,11 +71,16 @@ class TypeTable:
 
 
 def type_tables(ctx, b: int) -> list[TypeTable]:
-    """Per chip type (pipeline order), its shapes' arrays at micro-batch b (positions: 1F1B
-    keeps min(j, m) micro-batches in flight at position j, GPipe all m everywhere)."""
+    """Per chip type (pipeline order), its shapes' arrays at micro-batch b (positions: the
+    schedule's least in-flight activations at position j from the end, over every pipeline
+    length: 1F1B min(j, m), GPipe m; the deferred-W gradients of ZB-H1 left out, so the caps
+    are upper bounds)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
-    gpipe = ctx.schedule == "gpipe"
-    in_flight = np.full(L, m) if gpipe else np.minimum(np.arange(1, L + 1), m)
+    sched, v = ctx.sched, ctx.v
+    form = sched.closed_form
+    in_flight = np.array([sched.position_in_flight(j, m, v) for j in range(1, L + 1)])
+    K = len(form.steady)
+    scale = form.fill_scale(v)
     out = []
     for shapes in ctx.type_shapes(b, prune_unfit=True):
         # by most stages: shapes of one k_max are then one slice for the DP's window minima
@@ -82,27 +88,28 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
         S = len(shapes)
         a, tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(6))
         end_time, end_tail = np.zeros((4, S)), np.zeros((4, S))
-        steady_a, steady_end = np.zeros((2, S)), np.zeros((2, 4, S))  # forward, backward
+        steady_a, steady_end = np.zeros((K, S)), np.zeros((K, 4, S))
         memcap = np.zeros((4, S, L), dtype=np.int64)
         for i, o in enumerate(shapes):
             chip = ctx.chips[o.chip]
             for role, (first, last) in enumerate(ROLE_FLAGS):
                 t = ctx.terms(b, o, first, last, 1)
-                end_time[role, i] = t.fwd_end + t.bwd_end
-                steady_end[:, role, i] = t.fwd_end, t.bwd_end
+                ends = np.array([t.fwd_end, t.bwd_end, t.bwd_weight_end])
+                end_time[role, i] = scale * np.dot(form.fill_last if last else form.fill, ends)
+                steady_end[:, role, i] = [np.dot(k, ends) for k in form.steady]
                 end_tail[role, i] = t.tail_end
                 room = t.mem.capacity - t.mem.params_end - t.mem.working - t.mem.reserve
                 per_layer = t.mem.layer_static + in_flight * t.mem.layer_activation
                 memcap[role, i] = -1 if room < 0 else np.minimum(np.floor(room / per_layer + _EPS), L)
                 if role == MID:
-                    a[i], tl[i] = t.fwd_layer + t.bwd_layer, t.tail_layer
-                    steady_a[:, i] = t.fwd_layer, t.bwd_layer
+                    layer = np.array([t.fwd_layer, t.bwd_layer, t.bwd_weight_layer])
+                    a[i] = scale * min(np.dot(form.fill, layer), np.dot(form.fill_last, layer))
+                    tl[i] = t.tail_layer
+                    steady_a[:, i] = [np.dot(k, layer) for k in form.steady]
             nbytes = b * ctx.seq_len * ctx.model.d_model * cm.dtype_bytes(chip.precision.compute_dtype)
             nb[i], rho[i] = nbytes, 1.0 / (o.data * o.tensor * chip.inter_node_gbps * 1e9)
             own[i] = nbytes * rho[i]
             kmax[i] = min(o.stages, L)
-        if not gpipe:  # one steady component: forward + backward
-            steady_a, steady_end = a[None], end_time[None]
         out.append(TypeTable(
             list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
             steady_a, steady_end,

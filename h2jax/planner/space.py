@@ -1,0 +1,321 @@
+"""The planner's search space: options (k stages of one chip type on one mesh shape), the
+search context (cached stage terms per micro-batch), candidates and the plan they make.
+Shared by the exact search (dual_search.py), one stage list's split (split.py) and the
+exhaustive reference (search.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Sequence
+
+from h2jax.cluster import ChipType, Cluster
+from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
+from h2jax.plan import RECOMPUTE_POLICIES, Mesh, Optimizer, Plan, Stage
+from h2jax.planner import cost_model as cm
+from h2jax.planner.profile import Profile
+from h2jax.schedules import AUTO, Schedule, get_schedule
+
+
+class PlannerError(ConfigError):
+    """The planner cannot produce a plan; the message says which constraint fails and the fix."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Option:
+    """k stages of one chip type, each on a (data, tensor) mesh with one recompute policy."""
+
+    chip: str
+    stages: int
+    data: int
+    tensor: int
+    recompute: str
+    layer_s: float  # forward + backward of one layer (middle stage): the steady state's cost
+    room: float = math.inf  # bytes per chip for layers (middle stage): capacity - reserve - working
+    layer_static: float = 0.0  # bytes per layer: params, grads, optimizer state
+    layer_activation: float = 0.0  # bytes per layer per micro-batch in flight
+    cap1: int = 0  # max_layers(1), kept for the bounds
+    tail1: float = 0.0  # dp reduce + optimizer of one layer: every stage pays at least this tail
+    # one layer's share of the schedule's fill (its closed form's fill coefficients, the least
+    # over pipeline positions): layer_s under 1F1B and GPipe, less under ZB-H1 and interleaved
+    fill_s: float = math.nan
+
+    def max_layers(self, in_flight: float) -> int:
+        """Most layers a middle stage holds; end stages hold no more (upper bound)."""
+        return int(math.floor(self.room / (self.layer_static + in_flight * self.layer_activation) + 1e-9))
+
+    @property
+    def fill(self) -> float:
+        return self.layer_s if math.isnan(self.fill_s) else self.fill_s
+
+    @property
+    def chips(self) -> int:
+        return self.stages * self.data * self.tensor
+
+    @property
+    def speed(self) -> float:
+        return self.stages / self.layer_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Candidate:
+    """A point of the space with its predicted iteration time."""
+
+    time_s: float
+    micro_batch: int
+    options: tuple[Option, ...]  # in pipeline order, types without stages left out
+    layers: tuple[int, ...]
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # chunks per stage (interleaved)
+
+    def stages(self) -> list[Stage]:
+        shapes = [o for o in self.options for _ in range(o.stages)]
+        chunks = chunk_ranges(self.layers, self.virtual_stages)
+        return [
+            Stage(chip=o.chip, mesh=Mesh(o.data, o.tensor), layers=c[0],
+                  recompute=o.recompute, chunks=None if len(c) == 1 else c)
+            for o, c in zip(shapes, chunks)
+        ]
+
+    @property
+    def label(self) -> str:
+        return schedule_label(self.schedule, self.virtual_stages)
+
+
+def schedule_label(schedule: str, v: int) -> str:
+    return f"{schedule} (v={v})" if v > 1 else schedule
+
+
+@dataclasses.dataclass
+class SearchStats:
+    configs_visited: int = 0  # leaves whose layer split was solved
+    plans_evaluated: int = 0  # (stage list, layer split) pairs whose iteration time was computed
+    space_size: int = 0  # stage lists in the space (before layer splits)
+    bound_rows: int = 0  # 1F1B: Lagrangian DP rows evaluated (one per box and lambda)
+    search_time_s: float = 0.0
+    proved_optimal: bool = True  # False when a time limit stopped the search early
+    # A valid lower bound on the optimum's iteration time (the best root bound over micro-batch
+    # sizes; the optimum itself once proved): with a time limit, the plan is within
+    # time_s / lower_bound_s of the optimum.
+    lower_bound_s: float = 0.0
+    # --schedule auto: the best iteration time of each schedule searched (label -> seconds)
+    schedule_times: dict = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- the space
+
+
+def pipeline_order(cluster: Cluster) -> list[ChipType]:
+    """Chip types, largest memory first (ties: faster first, then by name)."""
+    return sorted(cluster.chips.values(), key=lambda c: (-c.usable_memory_gib, -c.peak_tflops, c.name))
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of n, ascending, built from its prime factors: trial division stops at the
+    square root of what is left, so a batch like 10**15 = 2**15 * 5**15 factors at once."""
+    factors: dict[int, int] = {}
+    rest, p = n, 2
+    while p * p <= rest:
+        while rest % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            rest //= p
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors[rest] = factors.get(rest, 0) + 1
+    out = [1]
+    for p, e in factors.items():
+        out = [d * p**k for d in out for k in range(e + 1)]
+    return sorted(out)
+
+
+def tensor_sizes(model: ModelConfig, chip: ChipType) -> list[int]:
+    """Divisors of a node that divide the model's heads, kv heads and d_ff."""
+    return [
+        t for t in divisors(chip.chips_per_node)
+        if model.n_heads % t == 0 and model.n_kv_heads % t == 0 and model.d_ff % t == 0
+    ]
+
+
+@dataclasses.dataclass
+class Context:
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    schedule: str
+    chips: dict[str, ChipType]
+    counts: dict[str, int]
+    order: list[str]
+    profile: Profile | None
+    options: cm.CostOptions
+    recompute: tuple[str, ...]
+    v: int = 1  # chunks per stage (interleaved)
+    _terms: dict = dataclasses.field(default_factory=dict)
+    _sends: dict = dataclasses.field(default_factory=dict)
+    _options: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def sched(self) -> Schedule:
+        return get_schedule(self.schedule)
+
+    def holds(self, i: int, p: int, m: int) -> tuple[float, int]:
+        """(in flight, deferred) of position i of p under the schedule (the memory model's)."""
+        return cm.memory_holds(self.schedule, i, p, m, self.v)
+
+    def fill_terms(self, t: cm.StageTerms, last: bool) -> tuple[float, float]:
+        """(per layer, end) seconds of a stage's share of the schedule's fill."""
+        form = self.sched.closed_form
+        cf, cb, cw = (x * form.fill_scale(self.v) for x in (form.fill_last if last else form.fill))
+        return (cf * t.fwd_layer + cb * t.bwd_layer + cw * t.bwd_weight_layer,
+                cf * t.fwd_end + cb * t.bwd_end + cw * t.bwd_weight_end)
+
+    def terms(self, b: int, o: Option, first: bool, last: bool, in_flight: float, deferred: int = 0) -> cm.StageTerms:
+        key = (b, o.chip, o.data, o.tensor, o.recompute, first, last, in_flight, deferred)
+        t = self._terms.get(key)
+        if t is None:
+            t = cm.stage_terms(
+                self.model, self.seq_len, b, self.chips[o.chip], o.data, o.tensor, o.recompute,
+                first, last, in_flight, self.profile, self.options, deferred,
+            )
+            self._terms[key] = t
+        return t
+
+    def send(self, b: int, s: Option, r: Option) -> float:
+        key = (b, s.chip, s.data, s.tensor, r.chip, r.data, r.tensor)
+        v = self._sends.get(key)
+        if v is None:
+            v = cm.send_terms(
+                self.model, self.seq_len, b, self.chips[s.chip], s.data, s.tensor,
+                self.chips[r.chip], r.data, r.tensor,
+            )[0]
+            self._sends[key] = v
+        return v
+
+    def type_options(self, b: int, prune_unfit: bool) -> list[list[Option]]:
+        """Per chip type (pipeline order), its options at micro-batch b, fastest first (cached)."""
+        key = (b, prune_unfit)
+        if key not in self._options:
+            out = []
+            for shapes in self.type_shapes(b, prune_unfit):
+                opts = [dataclasses.replace(o, stages=k) for o in shapes for k in range(1, o.stages + 1)]
+                opts.sort(key=lambda o: (-o.speed, o.chips, o.stages, o.data, o.tensor, o.recompute))
+                out.append(opts)
+            self._options[key] = out
+        return [list(opts) for opts in self._options[key]]
+
+    def type_shapes(self, b: int, prune_unfit: bool) -> list[list[Option]]:
+        """Per chip type, one option per shape (D, T, r) with its most stages, min(L, chips // D*T):
+        all the bounds need (they see a shape through its largest k). Cached."""
+        key = ("shapes", b, prune_unfit)
+        if key in self._options:
+            return self._options[key]
+        L = self.model.n_layers
+        out = []
+        for name in self.order:
+            chip, count = self.chips[name], self.counts[name]
+            opts = []
+            for t in tensor_sizes(self.model, chip):
+                for d in divisors(b):
+                    if d * t > count:
+                        break
+                    for r in self.recompute:
+                        probe = Option(name, 1, d, t, r, 0.0)
+                        mid = self.terms(b, probe, False, False, 1)
+                        if prune_unfit and mid.mem.max_layers() < 1:
+                            continue
+                        c = mid.fwd_layer + mid.bwd_layer
+                        room = mid.mem.capacity - mid.mem.reserve - mid.mem.working - mid.mem.params_end
+                        per_layer = mid.mem.layer_static + mid.mem.layer_activation
+                        cap1 = min(L, int(math.floor(room / per_layer + 1e-9)))
+                        fill = min(self.fill_terms(mid, False)[0], self.fill_terms(mid, True)[0])
+                        opts.append(Option(
+                            name, min(L, count // (d * t)), d, t, r, c, room, mid.mem.layer_static,
+                            mid.mem.layer_activation, cap1, mid.tail_layer, fill,
+                        ))
+            out.append(opts)
+        self._options[key] = out
+        return out
+
+
+
+def micro_batches_of(global_batch: int, requested: Iterable[int] | None) -> list[int]:
+    if requested is None:
+        return divisors(global_batch)
+    requested = sorted(set(int(b) for b in requested))
+    good = [b for b in requested if b >= 1 and global_batch % b == 0]
+    if not good:
+        raise PlannerError(
+            f"global batch {global_batch} is divisible by none of the micro-batch sizes {requested}; "
+            f"choose micro-batch sizes among the divisors of {global_batch}: {divisors(global_batch)}"
+        )
+    return good
+
+
+def make_context(
+    cluster: Cluster,
+    model: ModelConfig | str,
+    seq_len: int,
+    global_batch: int,
+    schedule: str = "1f1b",
+    profile: Profile | None = None,
+    options: cm.CostOptions = cm.CostOptions(),
+    recompute: Sequence[str] = RECOMPUTE_POLICIES,
+    v: int = 1,
+) -> Context:
+    model = get_config(model)
+    try:
+        get_schedule(schedule).check_v(v)
+    except ValueError as e:
+        raise PlannerError(str(e)) from None
+    for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlannerError(f"{name} must be a positive integer, got {value!r}")
+    bad = [r for r in recompute if r not in RECOMPUTE_POLICIES]
+    if bad or not recompute:
+        raise PlannerError(f"recompute policies {list(recompute)} invalid; choose from {', '.join(RECOMPUTE_POLICIES)}")
+    if profile is not None:
+        profile.check_matches(model, seq_len)
+    order = [c.name for c in pipeline_order(cluster)]
+    return Context(
+        model, seq_len, global_batch, schedule, dict(cluster.chips), dict(cluster.counts), order,
+        profile, options, tuple(recompute), v,
+    )
+
+
+
+def candidate_plan(
+    cand: Candidate,
+    model: ModelConfig,
+    seq_len: int,
+    global_batch: int,
+    schedule: str | None = None,
+    optimizer: Optimizer = Optimizer(),
+) -> Plan:
+    """The plan of a candidate (its own schedule and chunks unless `schedule` names one)."""
+    return Plan(
+        model=model,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        micro_batch=cand.micro_batch,
+        stages=tuple(cand.stages()),
+        schedule=cand.schedule if schedule in (None, AUTO) else schedule,
+        virtual_stages=cand.virtual_stages,
+        optimizer=optimizer,
+        model_name=preset_name(model),
+    )
+
+
+def chunk_ranges(layers: Sequence[int], v: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per stage, the layer ranges of its v chunks, given each stage's layer count: chunk c of
+    stage i is virtual stage c*p + i, so the model's layers run through the stages v times;
+    stage i's l_i layers split as evenly as possible over its chunks (the first ones larger;
+    a chunk may be empty when l_i < v)."""
+    p = len(layers)
+    sizes = [[l // v + (c < l % v) for c in range(v)] for l in layers]
+    out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    start = 0
+    for c in range(v):
+        for i in range(p):
+            out[i].append((start, start + sizes[i][c]))
+            start += sizes[i][c]
+    return [tuple(r) for r in out]
+

@@ -1,0 +1,408 @@
+"""One stage list's exact layer split (`best_split`), the bounds that decide which stage lists
+are worth splitting (the per-shape envelope and staircase, `leaf_bound`), and `solve`, which
+offers a solved list to the top k. Shared by the exact search and the exhaustive reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from h2jax.planner import cost_model as cm
+from h2jax.planner.space import Candidate, Context, Option, SearchStats
+
+
+# ----------------------------------------------------------------------------- one stage list
+
+
+@dataclasses.dataclass
+class _Leaf:
+    lin: np.ndarray  # per-layer fill coefficient of each stage
+    const: float  # fill constants: end-stage terms and link latencies
+    groups: list[tuple[float, np.ndarray, np.ndarray, float]]  # (weight, a, o, floor)
+    caps: np.ndarray
+
+
+def _leaf(ctx: Context, b: int, options: Sequence[Option]) -> _Leaf | None:
+    """The objective's coefficients for one stage list, or None if a stage cannot hold a layer."""
+    shapes = [o for o in options for _ in range(o.stages)]
+    p, m = len(shapes), ctx.global_batch // b
+    terms = [ctx.terms(b, o, i == 0, i == p - 1, *ctx.holds(i, p, m)) for i, o in enumerate(shapes)]
+    L = ctx.model.n_layers
+    caps = np.minimum(np.array([t.mem.max_layers() for t in terms], dtype=np.int64), L - p + 1)
+    if caps.min() < 1 or caps.sum() < L:
+        return None
+    max_send, links = stage_list_sends(ctx, b, shapes)
+    form, v = ctx.sched.closed_form, ctx.v
+    per_layer = np.array([[t.fwd_layer, t.bwd_layer, t.bwd_weight_layer] for t in terms])  # (p, 3)
+    ends = np.array([[t.fwd_end, t.bwd_end, t.bwd_weight_end] for t in terms])
+    fill = form.fill_coefficients(p, v)
+    tail = (1.0, np.array([t.tail_layer for t in terms]), np.array([t.tail_end for t in terms]), -math.inf)
+    const = float((fill * ends).sum()) + 2.0 * links
+    weight, floor = form.steady_weight(m, v), max_send * form.send_factor(v)
+    groups = [(weight, per_layer @ np.array(k, float), ends @ np.array(k, float), floor) for k in form.steady]
+    return _Leaf((fill * per_layer).sum(axis=1), const, groups + [tail], caps)
+
+
+def stage_list_sends(ctx: Context, b: int, shapes: Sequence[Option]) -> tuple[float, float]:
+    """(largest send, sum of sends + link latencies) of a stage list; under interleaved 1F1B
+    (v > 1) the last stage also sends to the first."""
+    p = len(shapes)
+    pairs = [(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if ctx.v > 1 and p > 1 else [])
+    sends = [ctx.send(b, shapes[i], shapes[j]) for i, j in pairs]
+    return max(sends, default=0.0), sum(s + cm.LINK_LATENCY_S for s in sends)
+
+
+def _objective(leaf: _Leaf, layers: np.ndarray) -> float:
+    value = leaf.const + float(leaf.lin @ layers)
+    for w, a, o, floor in leaf.groups:
+        value += w * max(floor, float((a * layers + o).max()))
+    return value
+
+
+def _greedy_fill(lin: np.ndarray, order: np.ndarray, caps: np.ndarray, L: int) -> np.ndarray | None:
+    """min sum lin_i*l_i s.t. 1 <= l_i <= caps_i, sum l_i = L: cheapest stages first (exact)."""
+    layers = np.ones_like(caps)
+    left = L - len(caps)
+    for i in order:
+        if left <= 0:
+            break
+        add = min(int(caps[i]) - 1, left)
+        layers[i] += add
+        left -= add
+    return layers if left == 0 else None
+
+
+def _caps_at(v: float, a: np.ndarray, o: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    # The 1e-9 absorbs rounding when v was computed as a*l + o itself.
+    return np.minimum(caps, np.floor((v - o) / a + 1e-9).astype(np.int64))
+
+
+def best_split(leaf: _Leaf, L: int, bound: float, stats: SearchStats) -> tuple[float, np.ndarray] | None:
+    """The optimal layer split of one stage list if it beats `bound`, else None (exact)."""
+    order = np.argsort(leaf.lin, kind="stable")
+    best: list[Any] = [bound, None]
+
+    def fill_cost(caps: np.ndarray) -> float:
+        layers = _greedy_fill(leaf.lin, order, caps, L)
+        return math.inf if layers is None else float(leaf.lin @ layers)
+
+    def rest_bound(g: int, caps: np.ndarray) -> float:
+        lb = leaf.const + fill_cost(caps)
+        for w, a, o, floor in leaf.groups[g:]:
+            lb += w * max(floor, float((a + o).max()))  # every stage holds >= 1 layer
+        return lb
+
+    def visit(g: int, caps: np.ndarray, acc: float) -> None:
+        if g == len(leaf.groups):
+            layers = _greedy_fill(leaf.lin, order, caps, L)
+            if layers is None:
+                return
+            stats.plans_evaluated += 1
+            value = _objective(leaf, layers)
+            if value < best[0]:
+                best[0], best[1] = value, layers
+            return
+        w, a, o, floor = leaf.groups[g]
+        lb_rest = rest_bound(g + 1, caps)
+        values = np.unique(np.concatenate([a[i] * np.arange(1, caps[i] + 1) + o[i] for i in range(len(caps))]))
+
+        def feasible(v: float) -> bool:
+            c = _caps_at(v, a, o, caps)
+            return c.min() >= 1 and c.sum() >= L
+
+        lo, hi = 0, len(values) - 1  # the largest value keeps every cap: feasible whenever caps are
+        if not feasible(values[hi]):
+            return
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if feasible(values[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        start = lo
+        if floor > values[start]:
+            # Every split whose max is below the floor costs the floor: try the loosest of them.
+            below = int(np.searchsorted(values, floor, side="right")) - 1
+            candidates = itertools.chain([floor], values[below + 1:])
+        else:
+            candidates = iter(values[start:])
+        for v in candidates:
+            charged = acc + w * max(floor, v)
+            if charged + lb_rest >= best[0]:
+                break
+            visit(g + 1, _caps_at(v, a, o, caps), charged)
+
+    visit(0, leaf.caps, 0.0)
+    return None if best[1] is None else (best[0], best[1])
+
+
+
+# ----------------------------------------------------------------------------- the two searches
+
+
+class Envelope:
+    """The most layers some choice among `options` holds under a bottleneck v, as a step function.
+
+    An option of per-layer cost c, k stages and one-micro-batch memory cap `cap1` holds
+    k*min(cap1, floor(v/c)) layers when no stage may exceed v: end-stage terms and more
+    micro-batches in flight only lower that, so it bounds every position. Several
+    envelopes add up (types not chosen yet, for the bound of a partial choice).
+    """
+
+    def __init__(self, xs: np.ndarray, hs: np.ndarray) -> None:
+        self.xs, self.hs = xs, hs  # breakpoints (increasing) and the layers held from each on
+
+    @classmethod
+    def of_options(
+        cls, options: Sequence[Option], L: int, in_flight: int = 1, m: int | None = None
+    ) -> "Envelope":
+        """The most layers one of `options` holds under a bottleneck v, its stages sitting at
+        the pipeline positions that hold `in_flight`, `in_flight` + 1, ... micro-batches (at
+        least; capped at m, or all `in_flight` when m is None, as under GPipe).
+
+        Options sharing a shape differ only in k, and k stages hold at most the sum of the
+        first k per-position caps min(floor(v/c), cap(f_j)), which grows with k: the envelope
+        of a shape is that of its largest k (see `shape_tables`)."""
+        return cls.of_tables(*shape_tables(options, L, in_flight, m)[:2])
+
+    @classmethod
+    def of_tables(cls, c: np.ndarray, table: np.ndarray) -> "Envelope":
+        u = np.arange(1, table.shape[1])
+        x = np.concatenate([np.zeros(1), (c[:, None] * u[None, :]).ravel()])
+        h = np.concatenate([np.zeros(1), table[:, 1:].ravel().astype(float)])
+        order = np.argsort(x, kind="stable")
+        x, h = x[order], np.maximum.accumulate(h[order])
+        keep = np.concatenate([[True], h[1:] > h[:-1]])
+        return cls(x[keep], h[keep])
+
+    @classmethod
+    def zero(cls) -> "Envelope":
+        return cls(np.zeros(1), np.zeros(1))
+
+    def __add__(self, other: "Envelope") -> "Envelope":
+        xs = np.union1d(self.xs, other.xs)
+        return Envelope(xs, self(xs) + other(xs))
+
+    def __call__(self, v: Any) -> Any:
+        return self.hs[np.searchsorted(self.xs, v, side="right") - 1]
+
+
+def envelope_bottleneck(L: int, rest: Envelope) -> float:
+    """A lower bound on every plan's bottleneck (the max of a stage's forward + backward): the
+    smallest v at which the envelope holds L layers (inf: it never does)."""
+    if rest.hs[-1] < L:
+        return math.inf
+    return float(rest.xs[int(np.searchsorted(rest.hs, L))]) * (1 - 1e-9)  # below the split's rounding
+
+
+def shape_tables(
+    options: Sequence[Option], L: int, in_flight: int, m: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per shape of `options` (its largest k): (per-layer cost c, table) where table[u] is the
+    most layers its stages hold with at most u layers each, the stages sitting at the pipeline
+    positions that hold in_flight, in_flight + 1, ... micro-batches (capped at m; all
+    `in_flight` when m is None, as under GPipe), clipped at L. Vectorised over shapes."""
+    shapes: dict[tuple, Option] = {}
+    for o in options:
+        key = (o.data, o.tensor, o.recompute)
+        if key not in shapes or o.stages > shapes[key].stages:
+            shapes[key] = o
+    if not shapes:
+        return np.zeros(0), np.zeros((0, 1), dtype=np.int64), np.zeros(0)
+    opts = list(shapes.values())
+    kmax = min(max(o.stages for o in opts), L)
+    j = np.arange(kmax)
+    f = np.full(kmax, in_flight) if m is None else np.minimum(in_flight + j, m)
+    room = np.array([o.room for o in opts])[:, None]
+    static = np.array([o.layer_static for o in opts])[:, None]
+    act = np.array([o.layer_activation for o in opts])[:, None]
+    limit = np.array([min(o.cap1, L) for o in opts])[:, None]
+    caps = np.minimum(np.floor(room / (static + f[None, :] * act) + 1e-9), limit)
+    caps[j[None, :] >= np.array([o.stages for o in opts])[:, None]] = 0  # stages it does not have
+    caps = np.maximum(caps, 0).astype(np.int64)
+    caps[caps < 1] = 0
+    umax = int(caps.max(initial=0))
+    u = np.arange(umax + 1)
+    table = np.minimum(np.minimum(u[None, :, None], caps[:, None, :]).sum(axis=2), L)
+    return np.array([o.layer_s for o in opts]), table, np.array([o.fill for o in opts])
+
+
+class Staircase:
+    """The cheapest per-layer cost of a chip type's layers under a bottleneck v: its j-th
+    layer costs at least the per-layer time of the cheapest shape that holds j layers under v
+    (with its stages at the most lenient positions from `in_flight` on, like `Envelope`).
+
+    Whichever option the type takes, its x layers cost c*x >= the sum of the first x steps,
+    so the cheapest `left` steps over all types bound the fill from below. `c` is a shape's
+    steady per-layer time (what the bottleneck v limits), `fill` its per-layer share of the
+    fill (the step's cost; the same under 1F1B, less under ZB-H1 and interleaved).
+    """
+
+    def __init__(self, c: np.ndarray, table: np.ndarray, fill: np.ndarray | None = None) -> None:
+        fill = c if fill is None else fill
+        order = np.argsort(fill, kind="stable")
+        self.c, self.tab, self.fill = c[order], table[order], fill[order]
+        self.umax = self.tab.shape[1] - 1
+        self.rows = np.arange(len(self.c))
+
+    def steps(self, v: float) -> tuple[np.ndarray, np.ndarray]:
+        """(cost, count) of the steps under bottleneck v, costs ascending."""
+        if not len(self.c):
+            return self.c, np.zeros(0, dtype=np.int64)
+        u = np.minimum(np.floor(min(v, 1e30) / self.c + 1e-9), self.umax).astype(np.int64)
+        held = np.maximum.accumulate(self.tab[self.rows, u])
+        inc = np.diff(held, prepend=0)
+        keep = inc > 0
+        return self.fill[keep], inc[keep]
+
+
+def envelope_bound(weight: float, L: int, rest: Envelope, rest_c: float, stairs: Sequence[Staircase]) -> float:
+    """A lower bound on every plan's iteration time from the types' envelope and staircases
+    (weight: the steady state's, m - 1 under 1F1B; rest_c: the cheapest per-layer fill):
+
+    min over bottlenecks V >= the envelope's of (m-1)*V + fill(V), fill(V) the L cheapest
+    staircase steps under V (each type's j-th layer costs at least the cheapest shape that holds
+    j layers). Between two breakpoints of the envelope the fill is taken at the interval's right
+    end (it only falls with V); the scan stops once (m-1)*V + L*rest_c (every layer at the
+    cheapest per-layer cost) cannot beat the best so far.
+    """
+    v = envelope_bottleneck(L, rest)
+    if v == math.inf:
+        return v
+    floor_fill = L * rest_c
+    best = math.inf
+    v0 = v
+    for _ in range(64):
+        if weight * v + floor_fill >= best:
+            # No bottleneck from v on does better, and the ones below v could not place L layers.
+            return best
+        # next bottleneck at which the envelope grows
+        nxt = min((float(x) for x in rest.xs[np.searchsorted(rest.xs, v, side="right"):][:1]), default=math.inf)
+        steps = [st.steps(nxt) for st in stairs]
+        c_all = np.concatenate([c for c, _ in steps])
+        n_all = np.maximum(np.concatenate([n for _, n in steps]), 0)
+        order = np.argsort(c_all, kind="stable")
+        c_all, n_all = c_all[order], n_all[order]
+        cum = np.cumsum(n_all)
+        if len(cum) and cum[-1] >= L:
+            j = int(np.searchsorted(cum, L))
+            prev = int(cum[j - 1]) if j else 0
+            fill = float(c_all[:j] @ n_all[:j]) + float(c_all[j]) * (L - prev)
+            best = min(best, weight * v + fill)
+        if nxt == math.inf:
+            break
+        v = nxt
+    else:
+        return weight * v0 + floor_fill  # gave up refining: the plain bound
+    return best if best < math.inf else weight * v0 + floor_fill
+
+
+def _leaf_bound(
+    ctx: Context, L: int, m: int, chosen: Sequence[Option], e_first: float, e_last: float,
+    g_first: float, g_last: float,
+) -> float:
+    """Like `envelope_bound` for a complete stage list, with each position's in-flight memory
+    cap and the end stages' embedding/logits time (e: in the steady state, g: in the fill):
+    cheaper than building the leaf."""
+    shapes = [o for o in chosen for _ in range(o.stages)]
+    p = len(shapes)
+    c = np.array([o.layer_s for o in shapes])
+    cf = np.array([o.fill for o in shapes])
+    caps = np.minimum([o.max_layers(ctx.holds(i, p, m)[0]) for i, o in enumerate(shapes)], L - p + 1)
+    if caps.min() < 1 or caps.sum() < L:
+        return math.inf
+    e = np.zeros(p)
+    e[0] += e_first
+    e[-1] += e_last
+    values = np.unique(np.concatenate([c[i] * np.arange(1, caps[i] + 1) + e[i] for i in range(p)]))
+    held = lambda v: np.minimum(caps, np.floor((v - e) / c + 1e-9)).clip(min=0).sum()  # noqa: E731
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if held(values[mid]) >= L:
+            hi = mid
+        else:
+            lo = mid + 1
+    # (GPipe: max f + max b >= max (f + b), so the same bound holds)
+    fill = float(cf.sum()) + (L - p) * float(cf.min()) + g_first + g_last
+    tail = _tail_lb(chosen, L, 0.0)
+    weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
+    return weight * float(values[lo]) * (1 - 1e-9) + fill + tail
+
+
+def _inv_tail(o: Option, L: int) -> float:
+    """sum of 1/(tail per layer) over an option's stages (inf if its tail is free)."""
+    return min(o.stages, L) / o.tail1 if o.tail1 > 0 else math.inf
+
+
+def _tail_lb(chosen: Sequence[Option], L: int, open_inv: float) -> float:
+    """A lower bound on max_i tail_i (dp-reduce + optimizer, tau_i*l_i + end terms >= tau_i*l_i):
+    every stage holds a layer, and with all tau_i*l_i <= X the stages hold at most
+    X * sum_i 1/tau_i layers, so X >= L / sum_i 1/tau_i; the open types add at most
+    `open_inv` to that sum."""
+    one = max((o.tail1 for o in chosen), default=0.0)
+    inv = open_inv + sum(_inv_tail(o, L) for o in chosen)
+    return max(one, L / inv if inv > 0 else 0.0)
+
+
+class TopK:
+    def __init__(self, k: int) -> None:
+        self.k, self.heap, self.counter = k, [], itertools.count()
+
+    @property
+    def bound(self) -> float:
+        return -self.heap[0][0] if len(self.heap) >= self.k else math.inf
+
+    def push(self, cand: Candidate) -> None:
+        key = (cand.micro_batch, cand.options)
+        if any(c.micro_batch == key[0] and c.options == key[1] for _, _, c in self.heap):
+            return  # an incumbent pass already found this stage list
+        item = (-cand.time_s, -next(self.counter), cand)
+        if len(self.heap) < self.k:
+            heapq.heappush(self.heap, item)
+        elif cand.time_s < self.bound:
+            heapq.heapreplace(self.heap, item)
+
+    def sorted(self) -> list[Candidate]:
+        return [c for _, _, c in sorted(self.heap, key=lambda x: (-x[0], -x[1]))]
+
+
+class OutOfTime(Exception):
+    pass
+
+
+
+def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: SearchStats) -> bool:
+    """Solve one stage list's layer split exactly and offer it; True if it entered the top k."""
+    L, m = ctx.model.n_layers, ctx.global_batch // b
+    p = sum(o.stages for o in chosen)
+    if p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
+        return False
+    weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
+    # the bottleneck is at least the continuous balance L / sum(k/c); every stage runs a layer
+    if weight * L / sum(o.speed for o in chosen) + sum(o.stages * o.fill for o in chosen) >= top.bound:
+        return False
+    first = ctx.terms(b, chosen[0], True, p == 1, 1)
+    last = ctx.terms(b, chosen[-1], p == 1, True, 1)
+    e_first = first.fwd_end + first.bwd_end
+    e_last = 0.0 if p == 1 else last.fwd_end + last.bwd_end
+    g_first = ctx.fill_terms(first, p == 1)[1]
+    g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
+    if _leaf_bound(ctx, L, m, chosen, e_first, e_last, g_first, g_last) >= top.bound:
+        return False
+    leaf = _leaf(ctx, b, chosen)
+    if leaf is None:
+        return False
+    stats.configs_visited += 1
+    found = best_split(leaf, L, top.bound, stats)
+    if found is None:
+        return False
+    before = top.bound
+    top.push(Candidate(found[0], b, tuple(chosen), tuple(int(x) for x in found[1]), ctx.schedule, ctx.v))
+    return top.bound < before or len(top.heap) < top.k
+

@@ -1,0 +1,47 @@
+"""ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each backward
+split into B (the input gradient, which the previous stage waits for) and W (the weight
+gradient, which nothing waits for). Stage i runs 1F1B's order of F and B and each W_j right
+after B_{j+i} (the drain's W's after its last B): the W's move into the bubbles of the fill
+and drain, so the backward chain through the pipeline carries only the B's.
+
+In flight: every stage holds min(p, m) micro-batches' activations (from F until W), the peak
+of 1F1B's first stage; micro-batches between B and W also hold their per-layer output
+gradients: at most min(i + 1, m) on stage i. Bubble, uniform stages with weight-gradient time
+w: (p - 1)(f + b - 2w) against 1F1B's (p - 1)(f + b) (b the whole backward). Closed form:
+sum_{i<p-1} (f_i + b_i - 2 w_i) + (f_last + b_last) + 2 * links + (m - 1) * max(max_i (f_i +
+b_i), send) + tail.
+"""
+
+from __future__ import annotations
+
+from h2jax.schedules import one_f_one_b
+from h2jax.schedules.base import B, W, ClosedForm, Order, Schedule
+
+
+def order(stage: int, p: int, m: int, v: int = 1) -> Order:
+    out: Order = []
+    for kind, k, c in one_f_one_b.order(stage, p, m):
+        out.append((kind, k, c))
+        if kind == B and k - stage >= 0:
+            out.append((W, k - stage, 0))
+    out += [(W, j, 0) for j in range(max(m - stage, 0), m)]
+    return out
+
+
+def in_flight(stage: int, p: int, m: int, v: int = 1) -> int:
+    return min(p, m)
+
+
+def deferred(stage: int, p: int, m: int, v: int = 1) -> int:
+    return min(stage + 1, m)
+
+
+SCHEDULE = Schedule(
+    name="zb-h1",
+    summary="1F1B with the weight gradient (W) split from the backward and moved into the bubbles",
+    order=order,
+    in_flight=in_flight,
+    closed_form=ClosedForm(fill=(1, 1, -2), fill_last=(1, 1, 0), steady=((1, 1, 0),)),
+    splits_backward=True,
+    deferred=deferred,
+)
