@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from h2jax.config import ConfigError
@@ -25,13 +26,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from h2jax.runtime.signals import RunInterrupted, terminate_as_interrupt
+
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with terminate_as_interrupt():
+            return int(args.func(args) or 0)
     except ConfigError as e:
         # Bad input: one clear line naming the field and the fix, never a traceback.
         print(f"h2jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RunInterrupted as e:  # Ctrl-C / SIGTERM during training: after a whole step
+        print(f"h2jax {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM anywhere else
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"h2jax {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    except BrokenPipeError:  # `h2jax ... | head`: the reader left; nothing more to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

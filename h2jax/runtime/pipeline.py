@@ -12,9 +12,51 @@ from __future__ import annotations
 import numpy as np
 
 from h2jax import schedule as sched
+from h2jax.config import ConfigError
 from h2jax.plan import Plan
 from h2jax.runtime.stage import StageExecutor
 from h2jax.transport.base import ACT, GRAD, Tag, Transport
+
+
+class NonFiniteLossError(ConfigError):
+    """A step produced a non-finite loss or gradient; says in which step and stage it first
+    appeared. Raised before that step's update, so the parameters are the previous step's."""
+
+    def __init__(self, what: str, stage: int | None, where: str, plan: Plan | None = None,
+                 step: int | None = None, updated: bool = False):
+        self.what, self.stage, self.where, self.plan, self.step = what, stage, where, plan, step
+        self.updated = updated
+        super().__init__(self._message())
+
+    def at_step(self, step: int) -> "NonFiniteLossError":
+        return NonFiniteLossError(self.what, self.stage, self.where, self.plan, step, self.updated)
+
+    def _message(self) -> str:
+        when = f"step {self.step}" if self.step is not None else "a step"
+        if self.stage is not None:
+            chip = f" ({self.plan.stages[self.stage].chip})" if self.plan is not None else ""
+            where = f"it first appeared in stage {self.stage}{chip}'s {self.where}"
+        else:
+            where = self.where or "the job's first process names the stage"
+        kept = "" if self.updated else (
+            f" with the parameters as they were after step {self.step - 1}" if self.step is not None else "")
+        return (f"{when}: {self.what} ({where}); training stopped{kept}. Lower optimizer.learning_rate, "
+                "set optimizer.clip_norm, or check that the data's token ids are below model.vocab_size")
+
+
+def _all_finite(x, so_far):
+    """On the device, without waiting: whether `x` is all finite (and `so_far`, when given)."""
+    global _finite_fns
+    if _finite_fns is None:
+        import jax
+        import jax.numpy as jnp
+
+        _finite_fns = (jax.jit(lambda a: jnp.isfinite(a).all()),
+                       jax.jit(lambda a, f: jnp.logical_and(jnp.isfinite(a).all(), f)))
+    return _finite_fns[0](x) if so_far is None else _finite_fns[1](x, so_far)
+
+
+_finite_fns = None
 
 
 class _StageRun:
@@ -26,6 +68,7 @@ class _StageRun:
         self.outbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> array to send
         self.saved: dict[int, object] = {}  # micro -> residuals for the backward
         self.losses: dict[int, object] = {}
+        self.finite = None  # on the device: every forward output of this step so far is finite
 
     @property
     def done(self) -> bool:
@@ -151,6 +194,7 @@ class Pipeline:
             if run.training:
                 run.saved[k] = saved
             computed = (f"F{k}", out)
+            run.finite = _all_finite(out, run.finite)
             if ex.is_last:
                 run.losses[k] = out
             else:
@@ -171,6 +215,30 @@ class Pipeline:
         run.pos += 1
         return computed
 
+    def _non_finite(self, runs: list[_StageRun], sq: dict, global_norm: float) -> "NonFiniteLossError":
+        """Where a non-finite value first appeared, in pipeline order: the first stage whose
+        forward output (activation, or the last stage's loss) was not finite, else the last stage
+        whose gradient is not (the backward runs last to first). Every process calls this; the
+        job's first process gets the answer (the others wait for its abort of the job)."""
+        forward, backward = [], [i for i, v in sq.items() if not np.isfinite(v)]
+        for r in runs:
+            losses = [r.losses[k] for k in sorted(r.losses)]
+            if (r.finite is not None and not bool(r.finite)) or not np.isfinite(np.asarray(losses, float)).all():
+                forward.append(r.ex.index)
+        parts = self.transport.gather_to_first((forward, backward))
+        if parts is None:  # not the job's first process: it names the stage and aborts the job
+            import time
+
+            time.sleep(30)
+            return NonFiniteLossError(f"the gradient norm is {global_norm}", None, "")
+        forward = sorted(i for f, _ in parts for i in f)
+        backward = sorted(i for _, b in parts for i in b)
+        if forward:
+            stage, where = forward[0], "forward output" if forward[0] < self.plan.n_stages - 1 else "loss"
+        else:
+            stage, where = (backward[-1], "gradient") if backward else (None, "")
+        return NonFiniteLossError(f"the gradient norm is {global_norm}", stage, where, self.plan)
+
     def _finish(self, runs: list[_StageRun]) -> float:
         # All processes of a stage compute its norm (a collective over the stage's mesh); only
         # the stage's leader contributes it to the cross-stage sum.
@@ -180,6 +248,8 @@ class Pipeline:
             if r.ex.is_stage_leader:
                 sq[r.ex.index] = norm
         global_norm = float(np.sqrt(self.transport.sum_across_stages(sq)))
+        if not np.isfinite(global_norm):  # before the update: the parameters stay good
+            raise self._non_finite(runs, sq, global_norm)
         for r in runs:
             t0 = self.tracer.now() if self.tracer is not None else 0.0
             r.ex.update(global_norm)

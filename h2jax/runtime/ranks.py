@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from typing import Sequence
 
 from h2jax.config import ConfigError
 from h2jax.plan import Plan, PlanError
+from h2jax.runtime.signals import RunInterrupted
 from h2jax.transport.mpi import comm_world, first_ranks
 
 _ENV_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS_WORLD")
@@ -227,6 +229,8 @@ def install_abort_on_error(comm=None, label: str | None = None) -> None:
         _aborting = True
         if isinstance(exc, (ConfigError, MPIStartupError)):  # one line, as the CLI prints it
             text = f"h2jax [{label}]: error: {exc}\n"
+        elif isinstance(exc, KeyboardInterrupt):  # Ctrl-C or SIGTERM outside the training loop
+            text = f"h2jax [{label}]: stopped by {signal.Signals(getattr(exc, 'signum', signal.SIGINT)).name}\n"
         else:
             text = f"h2jax [{label}] failed; aborting the MPI job:\n" + "".join(
                 traceback.format_exception(exc_type, exc, tb)
@@ -261,6 +265,8 @@ def abort_on_failure(comm=None, label: str | None = None):
             sys.stderr.flush()
             comm.Abort(code)
             os._exit(code)
+        raise
+    except RunInterrupted:  # every rank stops after the same step: nothing to abort
         raise
     except BaseException as e:  # noqa: BLE001 - every failure must take the job down
         install_abort_on_error(comm, label)

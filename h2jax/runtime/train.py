@@ -18,7 +18,7 @@ import numpy as np
 from h2jax import names as N
 from h2jax.config import ConfigError
 from h2jax.data import TokenDataset, check_compatible, stdlib_corpus
-from h2jax.plan import Plan, load_plan
+from h2jax.plan import Plan, check_schedule_size, load_plan
 from h2jax.runtime import ranks
 from h2jax.transport.base import Transport
 
@@ -226,7 +226,12 @@ class Trainer:
         from h2jax.runtime.optim import learning_rate_at
 
         t0 = time.perf_counter()
-        loss = self.pipeline.step(tokens)
+        from h2jax.runtime.pipeline import NonFiniteLossError
+
+        try:
+            loss = self.pipeline.step(tokens)
+        except NonFiniteLossError as e:  # the step it happened in
+            raise e.at_step(self.step_count + 1) from None
         for clock in self.clocks.values():  # the step ends when every emulated chip is done
             clock.wait()
         seconds = time.perf_counter() - t0
@@ -382,6 +387,7 @@ def train(
     writer=None,
     stage_figures: Callable[[float], dict] | None = None,
     n_chips: int | None = None,
+    guard=None,
 ) -> tuple[list[float], list[float], list[float], list[float], list[tuple[int, float]]]:
     """The training loop: `learner` (a Trainer, or the reference) takes `steps` steps on
     batches `start_step`, ... of `dataset`; every `plan.train.eval_every` steps (and after the
@@ -402,6 +408,8 @@ def train(
         lrs.append(m.learning_rate)
         if on_step is not None:
             on_step(n, m.loss, m.step_time_s)
+        if guard is not None:  # a non-finite loss, a stop signal, the MPI step watchdog's heartbeat
+            guard.after_step(n + 1, m)
         done, last = n + 1, n == start_step + steps - 1
         if t.eval_every and (done % t.eval_every == 0 or last):
             loss = float(np.mean([
@@ -452,6 +460,7 @@ def run(
     from h2jax.runtime.optim import learning_rate_schedule, with_schedule_length
 
     plan = load_plan(plan) if isinstance(plan, str) else plan
+    check_schedule_size(plan)  # before any action list or batch is built
     plan = with_schedule_length(plan, steps)
     learning_rate_schedule(plan.optimizer, plan.train)  # a bad schedule fails before JAX starts
     dataset = dataset or default_dataset(plan)
@@ -496,13 +505,17 @@ def _metrics_writer(log_dir, plan: Plan, dataset, n_chips: int, emulated: dict):
 
 def _run(unpipelined, plan, steps, dataset, transport, on_step, on_eval, log_dir, return_params,
          emulate_time, mpi_path, trace) -> RunResult:
+    from h2jax.runtime.guard import RunGuard
+
     if unpipelined:
         ref = _Reference(plan)
         writer = _metrics_writer(log_dir, plan, dataset, 1, {})
+        guard = RunGuard(plan, ref)
         try:
             losses, times, norms, lrs, evals = train(ref, plan, dataset, steps, on_step=on_step,
-                                                     on_eval=on_eval, writer=writer, n_chips=1)
+                                                     on_eval=on_eval, writer=writer, n_chips=1, guard=guard)
         finally:
+            guard.close()
             if writer is not None:
                 writer.close()
         params = None
@@ -523,13 +536,15 @@ def _run(unpipelined, plan, steps, dataset, transport, on_step, on_eval, log_dir
         out, seen[0] = _stage_figures(trainer, seen[0], step_time_s)
         return out
 
+    guard = RunGuard(plan, trainer)
     try:
         losses, times, norms, lrs, evals = train(
             trainer, plan, dataset, steps, on_step=on_step if trainer.reports else None,
             on_eval=on_eval if trainer.reports else None, writer=writer,
-            stage_figures=stage_figures if log_dir else None,
+            stage_figures=stage_figures if log_dir else None, guard=guard,
         )
     finally:
+        guard.close()
         if writer is not None:
             writer.close()
     if trace:
