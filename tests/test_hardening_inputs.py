@@ -265,3 +265,38 @@ def test_a_bad_token_file_is_one_error_naming_data(content, names, tmp_path):
     with pytest.raises(DataError, match="--data") as info:
         TokenDataset(path, seq_len=16)
     assert names in str(info.value)
+
+
+# ------------------------------------------------------------------------------ huge meshes
+
+
+def test_a_mesh_larger_than_the_machine_can_host_is_refused_naming_the_number(tmp_path):
+    """XLA would spend minutes and gigabytes creating 100,000 host devices (or abort): the run
+    is refused first, in a fresh process, with the count and the fix."""
+    import subprocess
+    import sys
+
+    from tests.conftest import checkout_env
+
+    raw = copy.deepcopy(PLAN)
+    raw["stages"] = [{"chip": "cpu", "mesh": {"data": 100_000, "tensor": 1}, "layers": [0, 4]}]
+    raw["global_batch"] = raw["micro_batch"] = 100_000
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(raw))
+    env = checkout_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    proc = subprocess.run([sys.executable, "-m", "h2jax", "run", "--plan", str(path), "--steps", "1"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "100,000 host devices" in lines[0] and "H2JAX_MAX_CPU_DEVICES" in lines[0], proc.stderr
+
+
+def test_the_host_device_cap_is_configurable(monkeypatch):
+    from h2jax.plan import PlanError
+    from h2jax.runtime.jaxsetup import MAX_CPU_DEVICES, check_host_devices
+
+    check_host_devices(MAX_CPU_DEVICES)
+    with pytest.raises(PlanError, match="at most 1,024"):
+        check_host_devices(MAX_CPU_DEVICES + 1)
+    monkeypatch.setenv("H2JAX_MAX_CPU_DEVICES", "4096")
+    check_host_devices(4096)

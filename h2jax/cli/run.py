@@ -8,6 +8,7 @@ import sys
 
 from h2jax.cli.options import output_path, positive_int
 from h2jax.cli.progress import training_progress
+from h2jax.plan import check_schedule_size
 from h2jax.plan import LR_SCHEDULES, load_plan, parse_train
 
 TRAIN_FLAGS = ("lr_schedule", "warmup_steps", "decay_steps", "final_lr_fraction", "eval_every",
@@ -65,6 +66,12 @@ def main(args: argparse.Namespace) -> int:
 
     # One loop in one process and under mpiexec; only the job's first process reports.
     reports = not ranks.in_mpi_job() or ranks.mpi_rank() == 0
+    # What would be refused inside the run is refused before the progress bar starts.
+    check_schedule_size(plan)
+    if not ranks.in_mpi_job() and not args.unpipelined:
+        from h2jax.runtime.jaxsetup import check_host_devices, cpu_devices_needed
+
+        check_host_devices(cpu_devices_needed(plan))
     from h2jax.data import open_dataset
 
     dataset = open_dataset(args.data, plan.seq_len, plan.seed) if args.data else None
