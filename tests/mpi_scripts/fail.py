@@ -4,9 +4,9 @@ will never come. The job must end non-zero within seconds, the error printed onc
 usage: mpiexec -n 2 python fail.py MODE BAD_RANK
   raise  BAD_RANK raises an exception (through sys.excepthook)
   exit   BAD_RANK leaves with sys.exit(3) inside abort_on_failure()
-  late   BAD_RANK starts MPI, then reaches the start-up barrier 60 s late (as if stuck
+  late   BAD_RANK starts MPI, then reaches the start-up barrier 600 s late (as if stuck
          initializing its backend; set H2JAX_MPI_STARTUP_TIMEOUT low)
-  early  BAD_RANK is stuck 60 s before it even starts MPI
+  early  BAD_RANK is stuck 600 s before it even starts MPI
 """
 
 import sys
@@ -26,10 +26,10 @@ plan = plan_from_dict({
                {"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [2, 4]}],
 })
 if mode == "early" and rank == bad:
-    time.sleep(60)
+    time.sleep(600)
 if mode == "late" and rank == bad:
     ranks.init_mpi()
-    time.sleep(60)
+    time.sleep(600)
 role = ranks.configure_process_for_plan(plan)
 
 import jax  # noqa: E402
