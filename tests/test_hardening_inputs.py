@@ -300,3 +300,15 @@ def test_the_host_device_cap_is_configurable(monkeypatch):
         check_host_devices(MAX_CPU_DEVICES + 1)
     monkeypatch.setenv("H2JAX_MAX_CPU_DEVICES", "4096")
     check_host_devices(4096)
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused(token_file, tmp_path, capsys):
+    """Byte tokens go up to 255: a 128-token embedding would read past its end (NaN losses)."""
+    raw = copy.deepcopy(PLAN)
+    raw["model"] = {"vocab_size": 128, "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128}
+    path = tmp_path / "small-vocab.json"
+    path.write_text(json.dumps(raw))
+    rc, err = _cli(["run", "--plan", path, "--steps", "1", "--data", token_file], capsys)
+    assert rc == 2
+    line = _one_error_line(err)
+    assert "vocab_size (128)" in line and "256" in line, line

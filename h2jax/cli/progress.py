@@ -37,4 +37,9 @@ def training_progress(steps: int, tokens_per_step: int, n_chips: int, enabled: b
 
     on_step.evaluated = evaluated
     with progress:
-        yield on_step
+        try:
+            yield on_step
+        except BaseException:
+            # The run failed or was stopped: its one line says so; no half-drawn bar above it.
+            progress.live.transient = True
+            raise
