@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.table import Table
 
 from h2jax.runtime.jaxsetup import force_cpu_devices
-from h2jax.cli.console import make_console
+from h2jax.cli.console import count, make_console
 from h2jax.cli.options import positive_int
 from h2jax.cli.progress import training_progress
 from h2jax.cli.show import plan_table
@@ -119,8 +119,8 @@ def main(args: argparse.Namespace) -> int:
         result = plan_cluster(planning, args.model, args.seq_len, args.global_batch, profile=profile,
                               recompute=("none",), micro_batches=(1,))
         plan = result.plan
-        console.print(plan_table(plan, title=f"HeteroAuto plan: {plan.n_stages} stages, {plan.n_micro} "
-                                 f"micro-batches of {plan.micro_batch} x {plan.seq_len} tokens, {plan.schedule}, "
+        console.print(plan_table(plan, title=f"HeteroAuto plan: {count(plan.n_stages, 'stage')}, "
+                                 f"{count(plan.n_micro, 'micro-batch')} of {plan.micro_batch} x {plan.seq_len} tokens, {plan.schedule}, "
                                  f"bubble {plan.predicted['bubble_fraction']:.1%}"))
         if attempt == 0:
             console.print(f"3. Training {args.steps} steps on the Python standard library's source (byte tokens)...")
