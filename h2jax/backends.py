@@ -154,7 +154,14 @@ def select_platforms(chip_names: Iterable[str]) -> dict[str, Backend]:
         return backends
     for b in backends.values():
         if b.library_path is not None and b.jax_platform not in xla_bridge._backend_factories:
-            xla_bridge.register_plugin(b.jax_platform, library_path=b.library_path)
+            try:
+                xla_bridge.register_plugin(b.jax_platform, library_path=b.library_path)
+            except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
+                raise ConfigError(
+                    f"PJRT plugin library {b.library_path} (platform {b.platform!r}) could not be "
+                    f"loaded: {str(e).splitlines()[0]}; point [plugin] path at the vendor's PJRT "
+                    "plugin .so built for this jaxlib"
+                ) from None
     platforms = [p for p in needed if p != "cpu"] + ["cpu"]
     jax.config.update("jax_platforms", ",".join(platforms))
     return backends

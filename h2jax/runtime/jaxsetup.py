@@ -20,7 +20,6 @@ import socket
 from typing import Sequence
 
 from h2jax.plan import Plan, PlanError
-from h2jax.runtime.ranks import ProcessRole
 
 
 def jax_backends_started() -> bool:
@@ -150,13 +149,14 @@ def _join_stage_group(platform, group, stage_size, stage_rank, local_device_ids,
     )
 
 
-def stage_local_device_ids(plan: Plan, role: ProcessRole) -> list[int] | None:
-    """This process's share of `stages[i].devices` (local ids on its host), if the plan lists them."""
-    stage = plan.stages[role.stage]
+def stage_local_device_ids(plan: Plan, stage_index: int, stage_rank: int) -> list[int] | None:
+    """The share of `stages[stage_index].devices` (local ids on its host) of the stage's
+    process `stage_rank`, if the plan lists them."""
+    stage = plan.stages[stage_index]
     if stage.devices is None:
         return None
     per = stage.mesh.size // stage.processes
-    return list(stage.devices[role.stage_rank * per : (role.stage_rank + 1) * per])
+    return list(stage.devices[stage_rank * per : (stage_rank + 1) * per])
 
 
 def stage_mesh_devices(data: int, tensor: int):

@@ -149,7 +149,7 @@ def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) 
             group=group,
             stage_size=role.stage_size,
             stage_rank=role.stage_rank,
-            local_device_ids=jaxsetup.stage_local_device_ids(plan, role),
+            local_device_ids=jaxsetup.stage_local_device_ids(plan, role.stage, role.stage_rank),
         )
     except ConfigError as e:  # e.g. its platform is missing: the pre-flight names its host
         setup_error = e
