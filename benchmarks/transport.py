@@ -321,6 +321,8 @@ def main() -> int:
                 "direct_vs_raw_min_at_ge_1MiB": worst,
                 "direct_ge_90pct_of_raw_at_ge_1MiB": worst is not None and worst >= 0.9,
                 "receive_work_above_raw_le_10us_at_4KiB": med["h2jax_recv"] - med["raw_recv"] <= 10,
+                # CPU time: what the work costs when no other process takes the core meanwhile
+                "receive_cpu_work_above_raw_le_10us_at_4KiB": med["h2jax_recv_cpu"] - med["raw_recv_cpu"] <= 10,
                 "stream_overhead_le_10us_at_4KiB": at_4k is not None and at_4k["direct_overhead_us_per_message"] <= 10,
                 "strided_pieces_sent_without_copy": strided_messages > 0
                 and strided_sent == 2 * strided_messages and sender["strided"]["send_copy_bytes"] == 0,
