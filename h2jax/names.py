@@ -12,7 +12,8 @@ from __future__ import annotations
 STEP = "step"
 STEP_TIME_S = "step_time_s"  # one optimizer step (an iteration), seconds
 TOKENS_PER_S = "tokens_per_s"
-TOKENS_PER_CHIP_PER_S = "tokens_per_chip_per_s"  # TGS
+TOKENS_PER_CHIP_PER_S = "tokens_per_chip_per_s"  # TGS, over every chip of the cluster
+TOKENS_PER_USED_CHIP_PER_S = "tokens_per_used_chip_per_s"  # over the chips a plan uses
 MFU = "mfu"  # model FLOP utilization against the chips' peak dense bf16 FLOP/s
 BUBBLE_FRACTION = "bubble_fraction"
 LOSS = "loss"
@@ -47,9 +48,11 @@ HEADERS = {
 
 
 def format_layers(layers) -> str:
-    """A layer range `[start, end)` as every table shows it."""
-    start, end = layers
-    return f"[{start}, {end})"
+    """A layer range `[start, end)` (or several, for interleaved chunks) as every table shows it."""
+    layers = list(layers)
+    if len(layers) == 2 and all(isinstance(x, int) for x in layers):
+        layers = [layers]
+    return ", ".join(f"[{start}, {end})" for start, end in layers)
 
 
 def format_mesh(data: int, tensor: int) -> str:

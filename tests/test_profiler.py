@@ -86,4 +86,4 @@ def test_doubling_a_chips_measured_layer_time_shifts_layers_away_from_it(tmp_pat
     before, after = _layers_per_chip(base), _layers_per_chip(slower)
     assert before.get("emu-mid", 0) >= 1 and before.get("emu-slow", 0) >= 1, before
     assert after.get("emu-mid", 0) < before["emu-mid"], (before, after)
-    assert slower.predicted["iteration_time_s"] > base.predicted["iteration_time_s"]
+    assert slower.predicted["step_time_s"] > base.predicted["step_time_s"]

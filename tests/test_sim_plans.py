@@ -42,8 +42,8 @@ def test_demo_plan_report_shows_both_and_difference():
     costs = cost_model.stage_costs(plan, chips)
     r = simulate_plan(plan, costs)
     rep = plan_report(plan, costs, r)
-    assert rep["closed_form_s"] == cost_model.iteration_time(costs, plan.n_micro, "1f1b")
-    assert rep["sim_minus_closed_s"] == pytest.approx(r.iteration_s - rep["closed_form_s"])
+    assert rep["predicted"]["step_time_s"] == cost_model.iteration_time(costs, plan.n_micro, "1f1b")
+    assert rep["sim_minus_closed_s"] == pytest.approx(r.iteration_s - rep["predicted"]["step_time_s"])
     assert rep["tokens_per_s"] == pytest.approx(plan.tokens_per_step / r.iteration_s)
     assert [s["peak_in_flight"] for s in rep["stages"]] == [min(3 - i, plan.n_micro) for i in range(3)]
     # The simulated step can never beat the busiest stage's compute plus its own tail.
@@ -59,8 +59,8 @@ def test_simulate_cli_json_trace_plot(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["n_stages"] == 3 and out["schedule"] == "1f1b"
     assert set(out["schedules"]) == {"gpipe", "1f1b", "zb-h1"}
-    assert out["schedules"]["zb-h1"]["iteration_s"] <= out["schedules"]["1f1b"]["iteration_s"]
-    assert out["schedules"]["1f1b"]["iteration_s"] == out["iteration_s"]
+    assert out["schedules"]["zb-h1"]["step_time_s"] <= out["schedules"]["1f1b"]["step_time_s"]
+    assert out["schedules"]["1f1b"]["step_time_s"] == out["step_time_s"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1, 2}
     assert sum(e["name"].startswith("F") for e in events) == 3 * 4
@@ -96,7 +96,7 @@ def small_cluster(tmp_path_factory):
 def test_compare_ratio_is_batch_matched(small_cluster):
     c = compare(small_cluster, "llama-7b", 1024, 2**18, baseline_global_batch_tokens=2**16)
     d = c.to_dict()
-    rate = lambda r: r["global_batch_tokens"] / r["simulated_s"]  # noqa: E731
+    rate = lambda r: r["global_batch_tokens"] / r["simulated"]["step_time_s"]  # noqa: E731
     same = d["baselines_same_batch"]
     assert all(r["global_batch_tokens"] == 2**18 for r in same.values())
     assert all(r["global_batch_tokens"] == 2**16 for r in d["baselines_fixed_batch"].values())
@@ -107,7 +107,7 @@ def test_compare_ratio_is_batch_matched(small_cluster):
     # A 4x smaller baseline batch has more bubble per token, so the paper's method flatters.
     assert d["batch_size_effect"] > 0
     for r in [d["mixed"], *same.values()]:
-        assert r["simulated_s"] == pytest.approx(r["predicted_s"], rel=0.1)
+        assert r["simulated"]["step_time_s"] == pytest.approx(r["predicted"]["step_time_s"], rel=0.1)
 
 
 def test_rerank_by_simulation_orders_by_simulated_time(small_cluster):
@@ -135,7 +135,7 @@ def test_plan_refine_with_sim_keeps_the_fastest_simulated_plan(tmp_path):
     plan = load_plan(out)
     refined = plan.predicted["refined_with_sim"]
     assert refined["k"] == 4 and 0 <= refined["rank_under_cost_model"] < 4
-    assert refined["simulated_s"] == sorted(refined["simulated_s"])
+    assert refined["simulated"]["step_time_s"] == sorted(refined["simulated"]["step_time_s"])
     costs = cost_model.stage_costs(plan, load_cluster(ROOT / "plans" / "cluster-64.toml"))
-    assert simulate_plan(plan, costs).iteration_s == pytest.approx(refined["simulated_s"][0], rel=1e-12)
-    assert plan.predicted["simulated_iteration_time_s"] == refined["simulated_s"][0]
+    assert simulate_plan(plan, costs).iteration_s == pytest.approx(refined["simulated"]["step_time_s"][0], rel=1e-12)
+    assert plan.predicted["simulated"]["step_time_s"] == refined["simulated"]["step_time_s"][0]

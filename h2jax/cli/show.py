@@ -8,6 +8,7 @@ import json
 from rich.table import Table
 
 from h2jax.cli.console import count, gib, make_console
+from h2jax.names import format_layers
 from h2jax.plan import Plan, load_plan
 
 
@@ -24,7 +25,7 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
         table.add_column("hosts")
     for i, s in enumerate(plan.stages):
         row = [str(i), s.chip, str(s.mesh.data), str(s.mesh.tensor),
-               f"[{s.layers[0]}, {s.layers[1]})", s.recompute]
+               format_layers(s.layer_ranges if getattr(s, "layer_ranges", None) else [s.layers]), s.recompute]
         if memory:
             row.append(gib(memory[i]))
         if hosts:  # each process's host and chips, as `h2jax launch` will place them

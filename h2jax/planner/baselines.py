@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from h2jax import names as N
 from h2jax.cluster import Cluster
 from h2jax.config import ConfigError, get_config
 
@@ -35,9 +36,9 @@ class Baseline:
             "chips": self.chips,
             "global_batch": self.global_batch,
             "batch_matched": batch_matched,
-            "tokens_per_s": self.tokens_per_s,
-            "tgs": self.tgs,
-            "iteration_time_s": self.iteration_time_s,
+            N.TOKENS_PER_S: self.tokens_per_s,
+            N.TOKENS_PER_CHIP_PER_S: self.tgs,
+            N.STEP_TIME_S: self.iteration_time_s,
         }
         if self.plan is not None:
             out["stages"] = len(self.plan.stages)
