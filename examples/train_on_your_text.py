@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 
 
-def plan_for(vocab_size: int) -> dict:
+def plan_for(vocab_size: int, steps: int) -> dict:
     return {
         "format_version": 1,
         "model": {"vocab_size": vocab_size, "d_model": 96, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 256},
         "seq_len": 64, "global_batch": 16, "micro_batch": 8, "schedule": "1f1b", "seed": 0,
         "optimizer": {"name": "adamw", "learning_rate": 0.003, "weight_decay": 0.01, "clip_norm": 1.0},
-        "train": {"lr_schedule": "cosine", "warmup_steps": 20, "eval_every": 25, "eval_batches": 4, "log_every": 5},
+        "train": {"lr_schedule": "cosine", "warmup_steps": min(20, steps // 4), "eval_every": 25, "eval_batches": 4, "log_every": 5},
         "stages": [
             {"chip": "cpu", "mesh": {"data": 2, "tensor": 1}, "layers": [0, 2]},
             {"chip": "cpu", "mesh": {"data": 1, "tensor": 2}, "layers": [2, 4]},
@@ -63,7 +63,7 @@ def main() -> None:
     print(f"data: {m.documents} documents, {m.input_bytes:,} bytes -> {m.n_tokens:,} tokens "
           f"({m.input_bytes / m.n_tokens:.2f} bytes/token), vocab {m.vocab_size}  [{time.perf_counter() - t0:.0f} s]")
 
-    plan = h2jax.plan.plan_from_dict(plan_for(m.vocab_size))
+    plan = h2jax.plan.plan_from_dict(plan_for(m.vocab_size, args.steps))
     h2jax.save_plan(plan, out / "plan.json")
     dataset = PreparedDataset(out / "data", plan.seq_len, seed=plan.seed)
     with training_progress(args.steps, plan.tokens_per_step, plan.n_devices) as bar:
