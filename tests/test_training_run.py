@@ -196,3 +196,36 @@ def test_train_on_your_text_example_end_to_end(tmp_path):
     assert [r["step"] for r in records if "eval_loss" in r] == [6]
     assert (tmp_path / "run" / "logs" / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["tokenizer"]["vocab_size"] == 400
+
+
+def test_the_loop_reads_no_tokens_on_a_process_whose_stages_need_none():
+    """A middle stage's process (needs_tokens false) never asks the dataset for a batch, while
+    evaluating and logging on the same steps as every other process."""
+    from h2jax.runtime.train import StepMetrics, train
+
+    class NoReads:
+        def batch(self, *a):
+            raise AssertionError("read a training batch")
+
+        def val_batch(self, *a):
+            raise AssertionError("read a validation batch")
+
+    class MiddleStage:
+        needs_tokens = False
+        calls: list = []
+
+        def step(self, tokens):
+            self.calls.append(("step", tokens))
+            return StepMetrics(len(self.calls), 1.0, 0.5, 0.01, 1e-3)
+
+        def evaluate(self, tokens):
+            self.calls.append(("eval", tokens))
+            return 2.0
+
+    learner = MiddleStage()
+    logged = []
+    losses, _, _, _, evals = train(learner, make_plan(eval_every=2, eval_batches=3), NoReads(), 4,
+                                   stage_figures=lambda t: logged.append(t) or {})
+    assert [kind for kind, _ in learner.calls] == ["step", "step"] + ["eval"] * 3 + ["step", "step"] + ["eval"] * 3
+    assert all(tokens is None for _, tokens in learner.calls)
+    assert losses == [1.0] * 4 and evals == [(2, 2.0), (4, 2.0)] and len(logged) == 4
