@@ -35,7 +35,7 @@ THREE = [stage("emu-fast", 1, 2, [0, 1]), stage("emu-mid", 2, 1, [1, 3], "select
 
 
 def train(trainer, dataset, start, n):
-    return [trainer.step(dataset.batch(k, trainer.plan.global_batch)).loss for k in range(start, start + n)]
+    return [trainer.step(dataset.batch(k, trainer.plan.global_batch)) for k in range(start, start + n)]
 
 
 def save(trainer, directory, step, keep=None):
@@ -127,7 +127,7 @@ def test_keep_prunes_and_pending_is_never_read(dataset, tmp_path):
     assert writer.close() == ckpt.step_dir(tmp_path, 3)
     assert ckpt.complete_steps(tmp_path) == [2, 3]
     # A write that never finished (a crash) is invisible: the newest complete one is used.
-    (tmp_path / "step_000004.pending" / "layers_000-001").mkdir(parents=True)
+    (tmp_path / "step_000004.pending" / "layers_000-003").mkdir(parents=True)
     assert ckpt.open_checkpoint(tmp_path, plan).step == 3
 
 
@@ -145,10 +145,10 @@ def copy(saved, tmp_path):
     return directory
 
 
-def _array_file(directory, group):
-    item = ckpt.step_dir(directory, 3) / "layers_000-001"
-    sums = json.loads((item.parent / ("layers_000-001" + ckpt.SUMS)).read_text())
-    rel = next(r for r, (size, _) in sums.items() if r.startswith(group + ".params") and size > 64)
+def _array_file(directory):
+    item = ckpt.step_dir(directory, 3) / "layers_000-003"  # one process: one item
+    sums = json.loads((item.parent / ("layers_000-003" + ckpt.SUMS)).read_text())
+    rel = max(sums, key=lambda r: sums[r][0])  # the largest file: array data
     return item / rel
 
 
@@ -160,18 +160,16 @@ def test_another_model_config_is_refused(copy):
 
 
 def test_corrupted_array_file_is_named(copy):
-    path = _array_file(copy, "layer_000")
+    path = _array_file(copy)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointError, match=f"{path}: corrupted"):
         ckpt.open_checkpoint(copy, make_plan(TWO))
-    # A stage that does not read that layer is not refused for it.
-    ckpt.open_checkpoint(copy, make_plan(TWO), stages=[1])
 
 
 def test_truncated_array_file_is_named(copy):
-    path = _array_file(copy, "embed")
+    path = _array_file(copy)
     os.truncate(path, path.stat().st_size // 2)
     with pytest.raises(ckpt.CheckpointError, match=f"{path}: truncated"):
         ckpt.open_checkpoint(copy, make_plan(THREE))
@@ -187,9 +185,9 @@ def test_truncated_metadata_is_named(copy):
 def test_missing_item_is_named(copy):
     import shutil
 
-    item = ckpt.step_dir(copy, 3) / "layers_002-003"
+    item = ckpt.step_dir(copy, 3) / "layers_000-003"
     shutil.rmtree(item)
-    with pytest.raises(ckpt.CheckpointError, match=f"{item}: missing \\(it holds head, layer_002, layer_003\\)"):
+    with pytest.raises(ckpt.CheckpointError, match=f"{item}: missing \\(it holds embed, head, layer_000, "):
         ckpt.open_checkpoint(copy, make_plan(TWO))
 
 

@@ -4,10 +4,10 @@ Layout of a checkpoint directory D:
 
     D/step_000006/checkpoint.json       step, data position, RNG seed, model config, the plan
                                         that wrote it, and which item holds each layer group
-    D/step_000006/layers_000-001/       one orbax PyTree item per writing stage; its top-level
-    D/step_000006/layers_000-001.sums   keys are global group names (`embed`, `layer_000`, ...,
-                                        `head`), each {params, opt, opt_shared}; .sums lists
-                                        every file of the item with its size and CRC-32
+    D/step_000006/layers_000-003/       one orbax PyTree item per writing process (under MPI: per
+    D/step_000006/layers_000-003.sums   stage); its top-level keys are global group names
+                                        (`embed`, `layer_000`, ..., `head`), each {params, opt,
+                                        opt_shared}; .sums: each file's size and CRC-32
     D/step_000009.pending/              a checkpoint being written: never read
 
 A group holds one layer's parameters and its optimizer state (the moments of that layer's
@@ -16,7 +16,7 @@ of any other plan -- other split, meshes, chip types, schedule, process count --
 its own groups and orbax lays each array out on the stage's mesh (`restore` passes the
 stage's target shardings; ZeRO-1 moments land split over the new `data` axis).
 
-Atomic: every process writes its stage's item into `step_N.pending/` (orbax: each process
+Atomic: every process writes its item into `step_N.pending/` (orbax: each process
 writes only its own shards, once per shard); when every stage reports its item finished, the
 primary process writes checkpoint.json and renames the directory to `step_N` -- one rename, so
 a checkpoint is visible only when complete and a crash mid-write leaves the previous one
@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import threading
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +63,17 @@ def step_dir(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step_{step:06d}"
 
 
-def item_name(plan: Plan, stage: int) -> str:
-    """Directory of the item stage `stage` writes, named for the layers it holds."""
-    start, end = plan.stages[stage].layers
+def item_name(plan: Plan, stages: Iterable[int]) -> str:
+    """Directory of the item holding `stages` (the stages one process writes), named for
+    their layers."""
+    stages = list(stages)
+    start, end = plan.stages[min(stages)].layers[0], plan.stages[max(stages)].layers[1]
     return f"layers_{start:03d}-{end - 1:03d}"
+
+
+def group_index(plan: Plan, stage_sets: Iterable[Iterable[int]]) -> dict[str, str]:
+    """{group: item that holds it} when each of `stage_sets` is written as one item."""
+    return {g: item_name(plan, stages) for stages in stage_sets for i in stages for g in stage_groups(plan, i)}
 
 
 # ----------------------------------------------------------------------------- state <-> groups
@@ -189,6 +197,9 @@ class World(Protocol):
 
     is_primary: bool  # the one process that writes checkpoint.json and renames
 
+    def stage_sets(self, plan: Plan) -> list[list[int]]:
+        """The stages of `plan` each process (or multi-process stage) writes as one item."""
+
     def all_done(self, local_done: bool) -> bool:
         """Collective: whether every process's writes are finished."""
 
@@ -197,6 +208,9 @@ class LocalWorld:
     """One process runs every stage."""
 
     is_primary = True
+
+    def stage_sets(self, plan: Plan) -> list[list[int]]:
+        return [list(range(plan.n_stages))]
 
     def all_done(self, local_done: bool) -> bool:
         return local_done
@@ -211,6 +225,9 @@ class TransportWorld:
         self.led = [i for i, ex in executors.items() if ex.is_stage_leader]
         self.is_primary = 0 in self.led
 
+    def stage_sets(self, plan: Plan) -> list[list[int]]:
+        return [[i] for i in range(plan.n_stages)]  # one stage per process group
+
     def all_done(self, local_done: bool) -> bool:
         done = self.transport.sum_across_stages({i: float(local_done) for i in self.led})
         return done >= self.n_stages
@@ -219,28 +236,36 @@ class TransportWorld:
 def _handler():
     import orbax.checkpoint as ocp
 
-    # One zarr array per parameter (no OCDBT database): each array's files sit under a
-    # directory named for its global key path, so a stage verifies and reads only its groups.
-    # No compression: parameters do not compress, and the write should run at disk speed.
-    return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False)
+    # OCDBT: the arrays of an item go into a few large files (one zarr directory per array
+    # made ~40x more files and was slower to write and read); each array is still its own
+    # key, so a stage reads only its groups. No compression: parameters do not compress.
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False)
 
 
-class _StageWrite:
-    """One stage's item of one checkpoint, written by orbax in the background."""
+class _ItemWrite:
+    """This process's item of one checkpoint, written by orbax in a background thread.
 
-    def __init__(self, pending: Path, name: str, tree: dict, leader: bool):
-        import orbax.checkpoint as ocp
+    The training thread only snapshots the state (a device-side copy: the next update
+    donates the live buffers); orbax's own blocking part -- per-array metadata, the copy to
+    the host -- and the file writes all run off the training thread."""
 
+    def __init__(self, pending: Path, name: str, snapshot: dict, leader: bool):
         self.path, self.leader = pending / name, leader
-        self.checkpointer = ocp.AsyncCheckpointer(_handler())
-        self.checkpointer.save(self.path, args=ocp.args.PyTreeSave(tree), force=True)
         self.error: BaseException | None = None
         self.done = threading.Event()
-        threading.Thread(target=self._finish, name=f"h2jax-ckpt-{name}", daemon=True).start()
+        # One orbax save at a time per process: its operation ids are process-global.
+        threading.Thread(target=self._write, args=(snapshot,), name=f"h2jax-ckpt-{name}", daemon=True).start()
 
-    def _finish(self) -> None:
+    def _write(self, tree: dict) -> None:
         try:
-            self.checkpointer.wait_until_finished()
+            import orbax.checkpoint as ocp
+
+            checkpointer = ocp.AsyncCheckpointer(_handler())
+            try:
+                checkpointer.save(self.path, args=ocp.args.PyTreeSave(tree), force=True)
+                checkpointer.wait_until_finished()
+            finally:
+                checkpointer.close()
             if self.leader:
                 _write_json(self.path.with_name(self.path.name + SUMS), file_sums(self.path))
         except BaseException as e:  # surfaced in the training thread by CheckpointWriter
@@ -248,8 +273,8 @@ class _StageWrite:
         finally:
             self.done.set()
 
-    def close(self) -> None:
-        self.checkpointer.close()
+
+_SNAPSHOT: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # executor -> compiled copy
 
 
 class CheckpointWriter:
@@ -258,12 +283,12 @@ class CheckpointWriter:
     def __init__(self, directory: str | Path, *, keep: int | None = None, world: World | None = None):
         if keep is not None and keep < 1:
             raise CheckpointError(f"--keep must be >= 1, got {keep}")
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()  # orbax wants absolute paths
         self.keep, self.world = keep, world or LocalWorld()
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory (checkpoint directory expected)")
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._pending: tuple[int, dict, list[_StageWrite]] | None = None
+        self._pending: tuple[int, dict, list[_ItemWrite]] | None = None
         self.last_committed: Path | None = None
         if self.world.is_primary:
             # Left by a crash: never complete, never read. (Other processes start writing only
@@ -280,13 +305,29 @@ class CheckpointWriter:
         """Start writing checkpoint `step` of `executors`' state (returns once the arrays are
         off the devices). `meta` (see checkpoint_meta) is written by the primary process."""
         self.wait()  # one checkpoint in flight at a time
+        if not executors:
+            raise ValueError("nothing to save: no stages")
+        plan = next(iter(executors.values())).plan
+        mine = sorted(executors)
+        if mine not in self.world.stage_sets(plan):
+            raise ValueError(f"this process runs stages {mine}, not one of the writing units "
+                             f"{self.world.stage_sets(plan)} of its world")
+        meta = {**meta, "groups": group_index(plan, self.world.stage_sets(plan))}
         pending = self.directory / (step_dir(self.directory, step).name + PENDING)
         pending.mkdir(parents=True, exist_ok=True)
-        writes = []
-        for i, ex in sorted(executors.items()):
-            tree = group_trees(ex.params, ex.opt_state)
-            writes.append(_StageWrite(pending, item_name(ex.plan, i), tree, ex.is_stage_leader))
-        self._pending = (step, meta, writes)
+        snapshot: dict = {}
+        for i in mine:
+            snapshot.update(self._snapshot(executors[i]))
+        leader = all(ex.is_stage_leader for ex in executors.values())
+        self._pending = (step, meta, [_ItemWrite(pending, item_name(plan, mine), snapshot, leader)])
+
+    def _snapshot(self, ex) -> dict:
+        """A copy of the stage's state on its devices, in one compiled program (the next
+        update donates the live buffers)."""
+        if ex not in _SNAPSHOT:
+            shardings = group_trees(ex.param_sharding, ex.opt_sharding)
+            _SNAPSHOT[ex] = jax.jit(lambda t: jax.tree.map(lambda x: x.copy(), t), out_shardings=shardings)
+        return _SNAPSHOT[ex](group_trees(ex.params, ex.opt_state))
 
     def _local_done(self) -> bool:
         step, _, writes = self._pending
@@ -318,8 +359,6 @@ class CheckpointWriter:
     def _commit(self) -> Path:
         step, meta, writes = self._pending
         self._pending = None
-        for w in writes:
-            w.close()
         final = step_dir(self.directory, step)
         if self.world.is_primary:
             pending = final.with_name(final.name + PENDING)
@@ -359,10 +398,6 @@ def _fsync_dir(path: Path) -> None:
 
 def checkpoint_meta(plan: Plan, step: int, *, data_path: str | None = None) -> dict:
     """What checkpoint.json records besides the arrays."""
-    index = {}
-    for i in range(plan.n_stages):
-        for g in stage_groups(plan, i):
-            index[g] = item_name(plan, i)
     return {
         "format": FORMAT,
         "step": step,
@@ -373,7 +408,7 @@ def checkpoint_meta(plan: Plan, step: int, *, data_path: str | None = None) -> d
         "rng": {"seed": plan.seed},
         "model": plan.model.to_dict(),
         "plan": plan.to_dict(),
-        "groups": index,
+        # "groups" ({group: item}) is added by CheckpointWriter.save, which knows the items
     }
 
 
@@ -434,7 +469,7 @@ class Checkpoint:
         loaded: dict[str, dict] = {}
         checkpointer = ocp.Checkpointer(_handler())
         for item, item_tree in sorted(by_item.items()):
-            path = self.path / item
+            path = self.path.absolute() / item
             try:
                 got = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
                     item=item_tree,
@@ -449,13 +484,9 @@ class Checkpoint:
         executor.opt_state = opt_state_from_groups(abstract_opt, loaded)
 
 
-def open_checkpoint(
-    directory: str | Path, plan: Plan, *, step: int | None = None, stages: Iterable[int] | None = None,
-    verify: bool = True,
-) -> Checkpoint:
-    """The newest (or the given `step`) committed checkpoint in `directory`, checked for
-    resuming `plan`'s `stages` (default all): raises CheckpointError on anything wrong,
-    before the caller compiles anything."""
+def read_checkpoint(directory: str | Path, step: int | None = None) -> tuple[Path, dict]:
+    """(path, metadata) of the newest (or the given `step`) committed checkpoint in
+    `directory`, its metadata checked for shape; CheckpointError if there is none."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such checkpoint directory")
@@ -474,7 +505,30 @@ def open_checkpoint(
         )
     path = step_dir(directory, step)
     meta = _read_json(path / META, "the checkpoint's metadata")
-    _check_meta(path / META, meta, plan, step)
+    where = path / META
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: checkpoint format {meta.get('format')!r}, this h2jax reads {FORMAT}")
+    for key in ("step", "model", "plan", "groups", "data"):
+        if key not in meta:
+            raise CheckpointError(f"{where}: field {key!r} missing")
+    if meta["step"] != step:
+        raise CheckpointError(f"{where}: records step {meta['step']} but lies in the directory of step {step}")
+    try:
+        plan_from_dict(meta["plan"])
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: the plan it records is invalid: {e}") from None
+    return path, meta
+
+
+def open_checkpoint(
+    directory: str | Path, plan: Plan, *, step: int | None = None, stages: Iterable[int] | None = None,
+    verify: bool = True,
+) -> Checkpoint:
+    """The newest (or the given `step`) committed checkpoint in `directory`, checked for
+    resuming `plan`'s `stages` (default all): raises CheckpointError on anything wrong,
+    before the caller compiles anything."""
+    path, meta = read_checkpoint(directory, step)
+    _check_meta(path / META, meta, plan)
     stages = range(plan.n_stages) if stages is None else stages
     needed = [g for i in stages for g in stage_groups(plan, i)]
     items = sorted({meta["groups"][g] for g in needed})
@@ -486,19 +540,12 @@ def open_checkpoint(
         sums[item] = _read_json(path / (item + SUMS), f"file sizes and checksums of {item}")
     if verify:
         for item in items:
-            mine = [g for g in needed if meta["groups"][g] == item]
-            _verify_item(path / item, sums[item], mine)
+            _verify_item(path / item, sums[item])
     return Checkpoint(path, meta, sums)
 
 
-def _check_meta(where: Path, meta: dict, plan: Plan, step: int) -> None:
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: checkpoint format {meta.get('format')!r}, this h2jax reads {FORMAT}")
-    for key in ("step", "model", "plan", "groups", "data"):
-        if key not in meta:
-            raise CheckpointError(f"{where}: field {key!r} missing")
-    if meta["step"] != step:
-        raise CheckpointError(f"{where}: records step {meta['step']} but lies in the directory of step {step}")
+def _check_meta(where: Path, meta: dict, plan: Plan) -> None:
+    """Whether `plan` can resume the checkpoint `meta` describes."""
     have = plan.model.to_dict()
     if meta["model"] != have:
         diff = {k: (meta["model"].get(k), v) for k, v in have.items() if meta["model"].get(k) != v}
@@ -525,15 +572,9 @@ def _check_meta(where: Path, meta: dict, plan: Plan, step: int) -> None:
         raise CheckpointError(f"{where}: holds no {', '.join(missing)}")
 
 
-def _verify_item(item_dir: Path, sums: dict[str, list[int]], groups: list[str]) -> None:
-    """Size and CRC-32 of the item's shared metadata files and of `groups`' arrays."""
-    mine, checked = set(groups), set()
-    for rel, (size, crc) in sums.items():
-        parts = rel.split(os.sep)
-        # An array's files lie under `<group>.<key path>/`; other groups' arrays are not read.
-        group = parts[0].split(".")[0] if len(parts) > 1 and "." in parts[0] else None
-        if group is not None and group not in mine:
-            continue
+def _verify_item(item_dir: Path, sums: dict[str, list[int]]) -> None:
+    """Size and CRC-32 of every file of an item, against those recorded when it was written."""
+    for rel, (size, crc) in sorted(sums.items()):
         p = item_dir / rel
         if not p.is_file():
             raise CheckpointError(f"{p}: missing")
@@ -542,7 +583,3 @@ def _verify_item(item_dir: Path, sums: dict[str, list[int]], groups: list[str]) 
             raise CheckpointError(f"{p}: truncated or overwritten: {actual} bytes, {size} when written")
         if _crc32(p) != crc:
             raise CheckpointError(f"{p}: corrupted: CRC-32 differs from the one recorded when written")
-        checked.add(group)
-    for g in groups:
-        if g not in checked:
-            raise CheckpointError(f"{item_dir}: holds no arrays of {g}")
