@@ -1,5 +1,5 @@
 """The real pipeline under `mpiexec` equals the single-process run with the local transport:
-same losses, grad norms and final parameters (f32, rtol 1e-5), under GPipe and 1F1B, with
+same losses, grad norms and final parameters (f32, rtol 1e-5), under GPipe, 1F1B and ZB-H1, with
 stage meshes that differ and a stage that spans two processes.
 
 SGD with active clipping, as in test_pipeline.py: each MPI rank's CPU backend has fewer
@@ -78,9 +78,9 @@ def _check_mpi_equals_local(tmp_path, stages, schedules, reference_schedule=None
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_two_processes_uneven_stages_gpipe_and_1f1b(tmp_path):
+def test_two_processes_uneven_stages_every_schedule(tmp_path):
     stages = [((2, 1), (0, 1), 1), ((1, 2), (1, 4), 1)]
-    _check_mpi_equals_local(tmp_path, stages, ["gpipe", "1f1b"])
+    _check_mpi_equals_local(tmp_path, stages, ["gpipe", "1f1b", "zb-h1"])
 
 
 @pytest.mark.mpi
@@ -99,4 +99,4 @@ def test_four_processes_four_stages(tmp_path):
     stages = [((1, 1), (0, 1), 1), ((2, 1), (1, 2), 1), ((1, 2), (2, 3), 1), ((1, 1), (3, 4), 1)]
     # Both schedules against the local 1F1B run: the runtime accumulates micro-batches in
     # the same order under both (the two-process test checks each against its own run).
-    _check_mpi_equals_local(tmp_path, stages, ["1f1b", "gpipe"], reference_schedule="1f1b")
+    _check_mpi_equals_local(tmp_path, stages, ["1f1b", "gpipe", "zb-h1"], reference_schedule="1f1b")

@@ -61,8 +61,10 @@ def plan_layers(model):
 
 # Parameters under SGD for every case and schedule; AdamW losses on the 4-stage case, which
 # holds every stage kind (first, middle, last; each recompute policy; tensor and data > 1).
-RUNS = [(case, schedule, "sgd") for case in CASES for schedule in ("1f1b", "gpipe")] + [
-    ("four-stage-uneven", schedule, "adamw") for schedule in ("1f1b", "gpipe")
+# Every schedule the runtime executes (ZB-H1's split backward included) on every case.
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+RUNS = [(case, schedule, "sgd") for case in CASES for schedule in SCHEDULES] + [
+    ("four-stage-uneven", schedule, "adamw") for schedule in SCHEDULES
 ]
 
 
@@ -104,3 +106,35 @@ def test_optimizer_state_is_split_over_data_under_zero1(zero1):
         assert x.addressable_shards[0].data.size * 2 == x.size
     else:
         assert not split
+
+
+def _compute_order(events, stage):
+    """A stage's computes in the order they ran, the last stage's fused F+B split in two."""
+    names = [e.name for e in sorted((e for e in events if e.stage == stage and e.lane == "compute"
+                                     and e.name != "optimizer"), key=lambda e: e.start_s)]
+    return [part for n in names for part in n.split("+")]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_measured_action_order_is_the_simulated_one(schedule, token_file, tmp_path):
+    """Each stage runs its computes in the order the simulator replays (the registry's list),
+    and the activations it holds at its peak are the registry's rule."""
+    from h2jax import schedules
+    from h2jax.planner import cost_model
+    from h2jax.sim import simulate
+    from h2jax.trace import read_trace
+
+    model, stages = CASES["four-stage-uneven"]
+    plan = make_plan(model, stages, schedule, "sgd")
+    path = tmp_path / "run.json"
+    run(plan, 1, dataset=TokenDataset(token_file, 16), trace=str(path))
+    measured = read_trace(path)
+    costs = cost_model.stage_costs(plan, None)
+    simulated = simulate(costs, plan.n_micro, schedule, record=True).events
+    rule = schedules.get_schedule(schedule)
+    for i in range(plan.n_stages):
+        order = _compute_order(measured, i)
+        assert order == _compute_order(simulated, i)
+        ran = [schedules.Action(name[0], int(name[1:])) for name in order]
+        assert schedules.max_in_flight(ran) == rule.in_flight(i, plan.n_stages, plan.n_micro)
+        assert schedules.max_deferred(ran) == rule.deferred(i, plan.n_stages, plan.n_micro)

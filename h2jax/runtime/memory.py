@@ -9,6 +9,8 @@ stage's mesh). What one device must hold at the stage's peak:
     in flight    the schedule's most micro-batches whose forward ran and whose backward has
                  not (1F1B: p - i on stage i; GPipe: all m), times what each keeps: the
                  residuals the forward returns, or under full recompute the saved input
+    deferred W   under a split backward (ZB-H1), the schedule's most micro-batches between
+                 their B and their W, times the per-piece output gradients B hands to W
     working      the largest step's scratch (temp) plus the fresh outputs it writes
                  (outputs that alias donated inputs are not new)
 
@@ -61,16 +63,21 @@ class StageMemory:
     in_flight: int
     working_bytes: int
     capacity_bytes: int
+    deferred: int = 0
+    per_deferred_bytes: int = 0
 
     @property
     def needed_bytes(self) -> int:
-        return self.persistent_bytes + self.in_flight * self.per_micro_batch_bytes + self.working_bytes
+        return (self.persistent_bytes + self.in_flight * self.per_micro_batch_bytes
+                + self.deferred * self.per_deferred_bytes + self.working_bytes)
 
     @classmethod
-    def of(cls, executor, update, steps, held, in_flight: int, forward=None) -> "StageMemory | None":
+    def of(cls, executor, update, steps, held, in_flight: int, forward=None, deferred: int = 0,
+           deferred_held=()) -> "StageMemory | None":
         """From a StageExecutor's compiled programs: `update`, the per-micro-batch `steps`,
         what each in-flight micro-batch keeps (`held`, a tree with shardings) and how many
-        are in flight; `forward` is the step whose outputs include `held`, if any. None where
+        are in flight; `forward` is the step whose outputs include `held`, if any; `deferred`
+        micro-batches each keeping `deferred_held` between B and W. None where
         the backend reports no memory analysis."""
         analyses = [c.memory_analysis() for c in (update, *steps)]
         if any(a is None for a in analyses):
@@ -87,6 +94,8 @@ class StageMemory:
             in_flight=in_flight,
             working_bytes=max(working),
             capacity_bytes=int(executor.chip.usable_memory_gib * GIB),
+            deferred=deferred,
+            per_deferred_bytes=per_device_bytes(deferred_held),
         )
 
     def check(self, executor) -> None:
@@ -103,7 +112,9 @@ class StageMemory:
             f"{self.needed_bytes:,} bytes per device but chip {chip.name} has {self.capacity_bytes:,} bytes "
             f"({cap} in backends/{chip.name}.toml): parameters, gradients and optimizer state "
             f"{self.persistent_bytes:,} B + {self.in_flight} micro-batch(es) in flight x "
-            f"{self.per_micro_batch_bytes:,} B + working memory {self.working_bytes:,} B. "
+            f"{self.per_micro_batch_bytes:,} B + "
+            + (f"{self.deferred} deferred weight gradient(s) x {self.per_deferred_bytes:,} B + " if self.deferred else "")
+            + f"working memory {self.working_bytes:,} B. "
             "Give the stage fewer layers, recompute=\"full\", a smaller micro_batch, more data "
             "or tensor parallelism, or a chip with more memory",
             executor.index, chip.name, self.needed_bytes, self.capacity_bytes,

@@ -1,6 +1,6 @@
 """The pipeline driver: runs each local stage's schedule actions through a transport.
 
-The schedule (h2jax.schedule) decides the order; this module only executes it. Stages this
+The schedule (h2jax.schedules) decides the order; this module only executes it. Stages this
 process runs are interleaved: a stage runs while its next action is ready and yields at a
 receive whose message has not arrived. JAX dispatch is asynchronous, so stages on disjoint
 devices compute concurrently. When no local stage can move, the driver blocks on the first
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from h2jax import schedule as sched
+from h2jax import schedules as sched
 from h2jax.config import ConfigError
 from h2jax.plan import Plan
 from h2jax.runtime.stage import StageExecutor
@@ -67,6 +67,7 @@ class _StageRun:
         self.inbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> received array
         self.outbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> array to send
         self.saved: dict[int, object] = {}  # micro -> residuals for the backward
+        self.deferred: dict[int, object] = {}  # micro -> what its W needs (split backward)
         self.losses: dict[int, object] = {}
         self.finite = None  # on the device: every forward output of this step so far is finite
 
@@ -97,7 +98,7 @@ class Pipeline:
 
     def __init__(self, plan: Plan, transport: Transport, executors: dict[int, StageExecutor], tracer=None):
         self.plan, self.transport, self.executors, self.tracer = plan, transport, executors, tracer
-        self.schedule = sched.build(plan.schedule, plan.n_stages, plan.n_micro)
+        self.schedule = sched.get_schedule(plan.schedule).build(plan.n_stages, plan.n_micro, plan.virtual_stages)
         first = next(iter(executors.values()))
         shape = (plan.micro_batch, plan.seq_len, plan.model.d_model)
         transport.connect(shape, first.boundary_dtype, {i: ex.boundary_sharding for i, ex in executors.items()})
@@ -201,10 +202,17 @@ class Pipeline:
                 run.outbox[ACT, k] = out
         elif a.kind == sched.B:
             dy = self._loss_cotangent if ex.is_last else run.inbox.pop((GRAD, k))
-            dx = ex.backward(run.saved.pop(k), dy)
-            computed = (f"B{k}", (dx, ex.grad_acc))
+            if ex.split_backward:  # the input gradient now, the weight gradient at its W
+                dx, run.deferred[k] = ex.backward_input(run.saved.pop(k), dy)
+                computed = (f"B{k}", (dx, run.deferred[k][1]))
+            else:
+                dx = ex.backward(run.saved.pop(k), dy)
+                computed = (f"B{k}", (dx, ex.grad_acc))
             if not ex.is_first:
                 run.outbox[GRAD, k] = dx
+        elif a.kind == sched.W:
+            ex.backward_weight(run.deferred.pop(k))
+            computed = (f"W{k}", ex.grad_acc)
         elif a.kind == sched.SEND_ACT:
             self.transport.send(Tag(ACT, i, k), run.outbox.pop((ACT, k)))
         elif a.kind == sched.SEND_GRAD:

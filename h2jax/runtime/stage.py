@@ -4,6 +4,13 @@ Each stage jits its forward, backward and optimizer update once, with explicit s
 its mesh. The backward either consumes the residuals the forward saved (a `jax.vjp`
 closure is a pytree, so it can leave one jitted function and enter another) or, under
 `recompute = "full"`, recomputes the stage's forward from its saved input.
+
+Under a split-backward schedule (ZB-H1) the forward runs piece by piece (embedding, each
+block, head and loss), keeping one vjp closure per piece, and the backward is two programs
+over those residuals: B (`backward_input`) runs the input-gradient chain and returns each
+piece's output gradient; W (`backward_weight`, deferred by the schedule) turns those into the
+pieces' weight gradients. XLA drops the weight-gradient matmuls from B and the input-gradient
+ones from W, so together they cost one backward.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from h2jax import schedule as sched
+from h2jax import schedules as sched
+from h2jax.model import cross_entropy, layer_name
 from h2jax.cluster import ChipType, load_chip
 from h2jax.config import ConfigError
 from h2jax.model import StageModel
@@ -99,6 +107,15 @@ class StageExecutor:
         self.boundary_dtype = _dtype(boundary_dtype(plan))
         self.clock = clock
         self.is_first, self.is_last = index == 0, index == plan.n_stages - 1
+        if plan.virtual_stages != 1:
+            raise ConfigError(
+                f"the runtime does not run interleaved plans yet (virtual_stages = {plan.virtual_stages}); "
+                "plan with --schedule 1f1b, gpipe or zb-h1 (simulate interleaved with `h2jax simulate`)"
+            )
+        self.schedule = sched.get_schedule(plan.schedule)
+        self.actions = self.schedule.stage_actions(index, plan.n_stages, plan.n_micro)
+        self.split_backward = self.schedule.splits_backward
+        self.remat_policy = SELECTIVE_POLICY if stage.recompute == "selective" else None
         self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
         cfg = plan.model
         start, end = stage.layers
@@ -140,6 +157,8 @@ class StageExecutor:
         self.labels_sharding = named(self.mesh, TOKENS_AXES)
         self.boundary_sharding = named(self.mesh, BOUNDARY_AXES)
         self._hidden_sharding = named(self.mesh, HIDDEN_AXES)
+        self._piece_order = (["embed"] if self.is_first else []) + [layer_name(i) for i in range(start, end)] + (
+            ["head"] if self.is_last else [])
         self._compile()
 
         init_jit = jax.jit(init, out_shardings=(self.param_sharding, self.opt_sharding, self.param_sharding))
@@ -173,6 +192,66 @@ class StageExecutor:
             return jax.vjp(lambda p: self._apply(p, x, labels), params)
         return jax.vjp(lambda p, h: self._apply(p, h, labels), params, x)
 
+    # ---------------------------------------------------------- split backward (ZB-H1)
+
+    def _pieces(self) -> list[str]:
+        """The stage's parameter groups in the order its forward applies them."""
+        return self._piece_order
+
+    def _piece(self, model, name: str, h, labels):
+        if name == "embed":
+            return model.embed(h)
+        if name == "head":
+            return cross_entropy(model.head(h), labels)
+        run_block = lambda block, x: block(x)  # noqa: E731  (as StageModel runs its blocks)
+        if self.remat_policy is not None:
+            run_block = nnx.remat(run_block, policy=self.remat_policy)
+        return run_block(getattr(model, name), h)
+
+    def _piece_vjps(self, params, x, labels):
+        """(output, one vjp closure per piece): the stage's forward, piece by piece; each vjp
+        takes the piece's output gradient and returns (its parameters' gradient, its input's),
+        the first stage's embedding only the former. The boundary casts ride on the first and
+        last pieces so the input gradient comes back in the boundary layout."""
+        cast = _cast_floats(params, self.compute_dtype)
+        names = self._pieces()
+        vjps, h = [], x
+        for j, name in enumerate(names):
+            def f(p_sub, h_in, name=name, j=j):
+                model = nnx.merge(self.graphdef, {**cast, name: _cast_floats(p_sub, self.compute_dtype)})
+                if j == 0 and not self.is_first:
+                    h_in = jax.lax.with_sharding_constraint(h_in, self._hidden_sharding).astype(self.compute_dtype)
+                out = self._piece(model, name, h_in, labels)
+                if j == len(names) - 1 and not self.is_last:
+                    out = jax.lax.with_sharding_constraint(out.astype(self.boundary_dtype), self.boundary_sharding)
+                return out
+            if j == 0 and self.is_first:  # integer tokens have no gradient
+                h, vjp = jax.vjp(lambda p, f=f: f(p, x), params[name])
+            else:
+                h, vjp = jax.vjp(f, params[name], h)
+            vjps.append(vjp)
+        return h, vjps
+
+    def _input_gradient(self, vjps, dy):
+        """B: (input gradient, each piece's output gradient) from the pieces' residuals."""
+        g, cots = dy, [None] * len(vjps)
+        for j in range(len(vjps) - 1, -1, -1):
+            cots[j] = g
+            if j == 0 and self.is_first:
+                break
+            g = vjps[j](g)[1]
+        dx = None if self.is_first else jax.lax.with_sharding_constraint(g, self.boundary_sharding)
+        return dx, cots
+
+    def _weight_gradient(self, acc, vjps, cots):
+        """W: each piece's parameter gradient from its residuals and output gradient, added to
+        the f32 accumulators."""
+        acc = dict(acc)
+        for name, vjp, g in zip(self._pieces(), vjps, cots):
+            grad = vjp(g)[0]
+            acc[name] = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc[name], grad)
+        return acc
+
     def _accumulate(self, acc, cotangents):
         grads = cotangents[0]
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
@@ -184,7 +263,25 @@ class StageExecutor:
         labels_sh = self.labels_sharding if self.is_last else None
         in_sh = (self.param_sharding, self.input_sharding, labels_sh)
         grad_out_sh = (self.param_sharding, None if self.is_first else self.boundary_sharding)
-        if self.stage.recompute == "full":
+        dx_sh = None if self.is_first else self.boundary_sharding
+        if self.split_backward and self.stage.recompute == "full":
+            # Only the input is kept; B and W each re-run the forward from it.
+            self._forward = jax.jit(self._apply, in_shardings=in_sh)
+            self._backward_input = jax.jit(
+                lambda params, x, labels, dy: self._input_gradient(self._piece_vjps(params, x, labels)[1], dy),
+                out_shardings=(dx_sh, None),
+            )
+            self._backward_weight = jax.jit(
+                lambda acc, params, x, labels, cots: self._weight_gradient(
+                    acc, self._piece_vjps(params, x, labels)[1], cots),
+                donate_argnums=(0,), out_shardings=self.param_sharding,
+            )
+        elif self.split_backward:
+            self._forward = jax.jit(self._piece_vjps, in_shardings=in_sh)
+            self._backward_input = jax.jit(self._input_gradient, out_shardings=(dx_sh, None))
+            self._backward_weight = jax.jit(self._weight_gradient, donate_argnums=(0,),
+                                            out_shardings=self.param_sharding)
+        elif self.stage.recompute == "full":
             self._forward = jax.jit(self._apply, in_shardings=in_sh)
 
             def backward(acc, params, x, labels, dy):
@@ -242,12 +339,24 @@ class StageExecutor:
             dy = jax.ShapeDtypeStruct((mb, seq, d), self.boundary_dtype, sharding=self.boundary_sharding)
         norm = jax.ShapeDtypeStruct((), jnp.float32)
         update = self._update.lower(params, opt_state, acc, norm).compile()
-        actions = sched.stage_actions(self.plan.schedule, self.index, self.plan.n_stages, self.plan.n_micro)
-        fused, split = self._micro_batch_programs(actions)
-        steps, held, forward = [], (), None
+        fused, split = self._micro_batch_programs(self.actions)
+        steps, held, forward, cots = [], (), None, ()
         if fused:
             steps.append(self._forward_backward.lower(acc, params, x, labels, dy).compile())
-        if split:
+        if split and self.split_backward:
+            forward = self._forward.lower(params, x, labels).compile()
+            if self.stage.recompute == "full":
+                held = (x, labels)
+                b = self._backward_input.lower(params, x, labels, dy).compile()
+                _, cots = b.out_info  # each piece's output gradient, kept from B until W
+                w = self._backward_weight.lower(acc, params, x, labels, cots).compile()
+            else:
+                _, held = forward.out_info
+                b = self._backward_input.lower(held, dy).compile()
+                _, cots = b.out_info
+                w = self._backward_weight.lower(acc, held, cots).compile()
+            steps += [forward, b, w]
+        elif split:
             forward = self._forward.lower(params, x, labels).compile()
             if self.stage.recompute == "full":
                 backward = self._backward.lower(acc, params, x, labels, dy).compile()
@@ -256,8 +365,11 @@ class StageExecutor:
                 _, held = forward.out_info  # the forward returns (output, vjp closure)
                 backward = self._backward.lower(acc, held, dy).compile()
             steps += [forward, backward]
-        in_flight = sched.max_in_flight(actions) if split else 0
-        return StageMemory.of(self, update, steps, held, in_flight, forward)
+        # the registry's rules (h2jax.schedules): what this stage's action list holds at peak
+        p, m = self.plan.n_stages, self.plan.n_micro
+        in_flight = self.schedule.in_flight(self.index, p, m) if split else 0
+        deferred = self.schedule.deferred(self.index, p, m) if split else 0
+        return StageMemory.of(self, update, steps, held, in_flight, forward, deferred, cots)
 
     def _micro_batch_programs(self, actions: list[sched.Action]) -> tuple[bool, bool]:
         """(fused, split): whether the pipeline runs forward_backward (the same rule as
@@ -279,6 +391,25 @@ class StageExecutor:
         if self.stage.recompute == "full":
             return self._run(self._forward, self.params, x, labels), (x, labels)
         return self._run(self._forward, self.params, x, labels)
+
+    def backward_input(self, saved, dy):
+        """B of a split backward: (input gradient, what W needs: the residuals or saved input,
+        and each piece's output gradient)."""
+        if self.stage.recompute == "full":
+            x, labels = saved
+            dx, cots = self._run(self._backward_input, self.params, x, labels, dy)
+        else:
+            dx, cots = self._run(self._backward_input, saved, dy)
+        return dx, (saved, cots)
+
+    def backward_weight(self, pending) -> None:
+        """W of a split backward: accumulates the weight gradients of one micro-batch."""
+        saved, cots = pending
+        if self.stage.recompute == "full":
+            x, labels = saved
+            self.grad_acc = self._run(self._backward_weight, self.grad_acc, self.params, x, labels, cots)
+        else:
+            self.grad_acc = self._run(self._backward_weight, self.grad_acc, saved, cots)
 
     def backward(self, saved, dy):
         """Accumulates this micro-batch's parameter gradients; returns the input gradient."""

@@ -133,7 +133,7 @@ class Schedule:
     closed_form: ClosedForm
     splits_backward: bool = False
     virtual: bool = False  # takes v >= 2 chunks per stage (interleaved)
-    deferred: Callable[[int, int, int, int], int] = lambda stage, p, m, v: 0
+    deferred: Callable[..., int] = lambda stage, p, m, v=1: 0
     # a lower bound on in_flight(p - j, p, m, v) / v over every p >= j (position j from the
     # end): the planner's position bounds, which do not know p, use it
     position_in_flight: Callable[[int, int, int], float] = lambda j, m, v: float(min(j, m))

@@ -48,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from h2jax import schedule as sched  # noqa: E402
+from h2jax import schedules as sched  # noqa: E402
 from h2jax.transport.base import ACT, GRAD, Tag  # noqa: E402
 from h2jax.runtime.jaxsetup import stage_mesh_devices  # noqa: E402
 
@@ -89,7 +89,7 @@ transport = mpi.MPITransport(ranks.plan_processes(plan), path=path)
 transport.connect(SHAPE, jnp.dtype(DTYPE), {s: layout})
 checked = 0
 for name in schedules:
-    actions = sched.stage_actions(name, s, n, N_MICRO)
+    actions = sched.get_schedule(name).stage_actions(s, n, N_MICRO)
     for step in range(STEPS):
         transport.prepost([Tag(ACT, s - 1, a.micro) for a in actions if a.kind == sched.RECV_ACT]
                           + [Tag(GRAD, s, a.micro) for a in actions if a.kind == sched.RECV_GRAD])

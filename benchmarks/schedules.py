@@ -1,0 +1,136 @@
+"""Every registered schedule on one emulated 4-stage plan: measured and simulated step time and
+bubble per schedule, measured side by side in one run.
+
+The plan: four stages of one emulated chip type (default emu-mid: host CPU compute stretched
+8x by waiting, see backends/), the model's layers split evenly, 8 micro-batches. GPipe, 1F1B
+and ZB-H1 are trained for real (the runtime executes the registry's action lists); each runs
+its warm-up step, then the schedules take turns step by step (so machine noise hits them
+alike) and the median step is reported. One traced step per schedule gives the measured
+bubble (the one definition, h2jax.schedules.bubble_fraction, on the measured timeline: the
+stages' compute seconds against four times the span from the first compute to the last) and
+the per-action times the simulator replays: forward and whole backward per stage from GPipe's
+step, the weight-gradient share from ZB-H1's B and W, the optimizer from each. Interleaved
+1F1B (v = 2) is simulated on the same costs only: the runtime does not run it yet.
+
+Prints one JSON object; every figure is from EMULATED chips.
+    python benchmarks/schedules.py [--steps 6] [--chip emu-mid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+RUN = ("gpipe", "1f1b", "zb-h1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chip", default="emu-mid")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per schedule (after one warm-up)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    args = ap.parse_args()
+
+    from h2jax import schedules
+    from h2jax.data import TokenDataset, stdlib_corpus
+    from h2jax.plan import plan_from_dict
+    from h2jax.planner import cost_model
+    from h2jax.planner.stage_cost import StageCost
+    from h2jax.runtime.tracing import StepTracer
+    from h2jax.runtime.train import Trainer
+    from h2jax.sim import simulate
+
+    model = {"vocab_size": 256, "d_model": args.d_model, "n_layers": args.layers, "n_heads": 4,
+             "n_kv_heads": 2, "d_ff": 4 * args.d_model}
+    p, L = 4, args.layers
+    bounds = [round(i * L / p) for i in range(p + 1)]
+
+    def plan(schedule: str):
+        return plan_from_dict({
+            "format_version": 1, "model": model, "seq_len": args.seq_len, "global_batch": args.global_batch,
+            "micro_batch": args.micro_batch, "schedule": schedule,
+            "stages": [{"chip": args.chip, "mesh": {"data": 1, "tensor": 1}, "layers": bounds[i:i + 2]}
+                       for i in range(p)],
+        })
+
+    data = TokenDataset(stdlib_corpus(), args.seq_len, seed=0)
+    tracers = {s: StepTracer() for s in RUN}
+    trainers = {s: Trainer(plan(s), tracer=tracers[s], steps=args.steps + 2) for s in RUN}
+    m = trainers["1f1b"].plan.n_micro
+    for s, t in trainers.items():  # warm-up: compile
+        t.step(data.batch(0, args.global_batch))
+    times: dict[str, list[float]] = {s: [] for s in RUN}
+    for k in range(args.steps):
+        for s, t in trainers.items():
+            times[s].append(t.step(data.batch(1 + k, args.global_batch)).step_time_s)
+    traced = {}
+    for s, t in trainers.items():  # one more step each, its actions kept
+        start = time.time()
+        t.step(data.batch(1 + args.steps, args.global_batch))
+        traced[s] = [e for e in tracers[s].relative_events(start) if e.start_s >= 0]
+        t.close()
+
+    def per_stage(events, name):
+        return [statistics.median([e.duration_s for e in events if e.stage == i and e.name[:1] == name
+                                   and "+" not in e.name and e.lane == "compute"] or [0.0]) for i in range(p)]
+
+    def optimizer(events):
+        return [statistics.median([e.duration_s for e in events if e.stage == i and e.name == "optimizer"] or [0.0])
+                for i in range(p)]
+
+    def measured_bubble(events):
+        comp = [e for e in events if e.lane == "compute" and e.name != "optimizer"]
+        span = max(e.start_s + e.duration_s for e in comp) - min(e.start_s for e in comp)
+        busy = [sum(e.duration_s for e in comp if e.stage == i) for i in range(p)]
+        return schedules.bubble_fraction(busy, span)
+
+    f, b = per_stage(traced["gpipe"], "F"), per_stage(traced["gpipe"], "B")
+    b_in, w = per_stage(traced["zb-h1"], "B"), per_stage(traced["zb-h1"], "W")
+    opt = optimizer(traced["1f1b"])
+    costs = [StageCost(forward_s=f[i], backward_s=b[i], backward_weight_s=b[i] * w[i] / (b_in[i] + w[i]),
+                       send_s=0.0, send_bytes=0, dp_reduce_s=0.0, optimizer_s=opt[i], activation_bytes=0,
+                       static_bytes=0) for i in range(p)]
+
+    out: dict = {
+        "emulated": True, "chip": args.chip, "stages": p, "micro_batches": m, "layers": L,
+        "d_model": args.d_model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+        "timed_steps": args.steps,
+        "stage_costs_s": {"forward": f, "backward": b, "backward_input_zb": b_in, "weight_zb": w, "optimizer": opt},
+        "schedules": {},
+    }
+    for name, v in schedules.variants():
+        if v not in (1, 2):
+            continue
+        sim = simulate(costs, m, name, virtual_stages=v)
+        row = {
+            "virtual_stages": v,
+            "simulated": {"step_time_s": sim.iteration_s, "bubble_fraction": sim.bubble_fraction},
+            "closed_form": {"step_time_s": cost_model.iteration_time(costs, m, name, v),
+                            "bubble_fraction": cost_model.bubble_fraction(costs, m, name, v)},
+        }
+        if name in trainers:
+            row["measured"] = {"step_time_s": statistics.median(times[name]), "step_times_s": times[name],
+                               "bubble_fraction": measured_bubble(traced[name])}
+        else:
+            row["measured"] = None
+            row["not_measured_because"] = "the runtime does not run interleaved plans yet"
+        out["schedules"][name] = row
+    rows = out["schedules"]
+    out["zb_h1_over_1f1b"] = {
+        "measured": rows["zb-h1"]["measured"]["step_time_s"] / rows["1f1b"]["measured"]["step_time_s"],
+        "simulated": rows["zb-h1"]["simulated"]["step_time_s"] / rows["1f1b"]["simulated"]["step_time_s"],
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
