@@ -183,8 +183,11 @@ def test_empty_corpus(tmp_path):
 
 def test_vocabulary_too_large_for_the_model(bpe_dir):
     ds = open_dataset(bpe_dir, 16)
-    with pytest.raises(DataError, match=r"vocabulary \(400 tokens\) is larger than the model's vocab_size \(256\)"):
+    with pytest.raises(DataError, match=r"vocabulary \(400 tokens\) is larger than the model's vocab_size "
+                                        r"\(256\).*--tokenizer bytes"):
         check_compatible(ds, 256)
+    with pytest.raises(DataError, match=r"--tokenizer train-bpe:300"):
+        check_compatible(ds, 300)
     check_compatible(ds, 400)
 
 

@@ -148,10 +148,13 @@ def check_compatible(dataset, vocab_size: int, tokenizer_sha256: str | None = No
     """Refuse a dataset whose ids do not fit the model's vocabulary, or whose tokenizer differs
     from the one a checkpoint was trained with (`tokenizer_sha256`; None: not recorded)."""
     if dataset.vocab_size > vocab_size:
+        from h2jax.data.tokenizers import MIN_BPE_VOCAB
+
+        smaller = f"train-bpe:{vocab_size}" if vocab_size >= MIN_BPE_VOCAB else "bytes"
         raise DataError(
             f"the dataset's vocabulary ({dataset.vocab_size} tokens) is larger than {where}'s "
             f"vocab_size ({vocab_size}); use a model with vocab_size >= {dataset.vocab_size}, or "
-            f"prepare the data with a smaller tokenizer (e.g. train-bpe:{vocab_size})"
+            f"prepare the data with a smaller tokenizer (--tokenizer {smaller})"
         )
     if tokenizer_sha256 is not None and dataset.tokenizer_sha256 != tokenizer_sha256:
         raise DataError(
