@@ -3,6 +3,7 @@ from a half-written or foreign checkpoint."""
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from h2jax.plan import plan_from_dict
 from h2jax.runtime import checkpoint as ckpt
 from h2jax.runtime.train import Trainer
 
+ROOT = Path(__file__).resolve().parents[1]
 SEQ = 16
 ADAMW = {"name": "adamw", "learning_rate": 0.01, "weight_decay": 0.1, "clip_norm": 0.3}
 
@@ -213,3 +215,23 @@ def _fields(plan):
     import dataclasses
 
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+
+
+def test_replan_keeps_the_run_and_resumes_it(straight, saved, dataset, tmp_path, capsys):
+    from h2jax.cli import main
+    from h2jax.plan import load_plan
+
+    directory = saved[0]
+    out = tmp_path / "new.json"
+    assert main(["replan", "--checkpoint", str(directory), "--cluster", str(ROOT / "plans" / "cluster-emu-3type.toml"),
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "old plan (wrote the checkpoint)" in printed and f"--checkpoint-dir {directory} --resume" in printed
+    new, old = load_plan(out), make_plan(TWO)
+    assert (new.model, new.seq_len, new.global_batch, new.seed) == (old.model, old.seq_len, old.global_batch, old.seed)
+    assert {s.chip for s in new.stages} <= {"emu-fast", "emu-mid", "emu-slow"}
+    checkpoint = ckpt.open_checkpoint(directory, new)
+    trainer = Trainer(new, emulate_time=False)
+    for ex in trainer.executors.values():
+        checkpoint.restore(ex)
+    np.testing.assert_allclose(saved[2] + train(trainer, dataset, 3, 3), straight[0], rtol=1e-5)
