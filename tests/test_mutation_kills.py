@@ -6,6 +6,7 @@ Test names carry the module they guard (kills_optim, kills_memory, ...), which i
 mutation script selects them.
 """
 
+import math
 import types
 
 import jax
@@ -198,6 +199,24 @@ def test_kills_memory_figures_from_the_analyses_by_hand():
     assert (m3.working_bytes, m3.per_micro_batch_bytes, m3.in_flight) == (405, 0, 0)
 
 
+def test_kills_memory_deferred_weight_gradients_by_hand():
+    """Under a split backward (ZB-H1) each micro-batch between its B and its W keeps what B
+    hands to W: counted `deferred` times; nothing deferred unless asked."""
+    update = _Compiled(_analysis(arg=1000, out=900, alias=900, temp=50, code=7))
+    step = _Compiled(_analysis(out=10, temp=20, code=0))
+    m = mem.StageMemory.of(_executor(), update, [step], (), 0, deferred=2, deferred_held=_held())
+    assert (m.deferred, m.per_deferred_bytes) == (2, 1024)
+    assert m.needed_bytes == 1000 + 2 * 1024 + 57
+    plain = mem.StageMemory.of(_executor(), update, [step], (), 0)
+    assert (plain.deferred, plain.per_deferred_bytes) == (0, 0)
+    over = mem.StageMemory(persistent_bytes=2**29, per_micro_batch_bytes=0, in_flight=0, working_bytes=0,
+                           capacity_bytes=2**29, deferred=3, per_deferred_bytes=512)
+    with pytest.raises(mem.StageMemoryError) as e:
+        over.check(_executor())
+    assert "+ 0 micro-batch(es) in flight x 0 B + 3 deferred weight gradient(s) x 512 B + working memory 0 B." \
+        in str(e.value)
+
+
 def test_kills_memory_no_analysis_means_no_figure():
     update = _Compiled(_analysis(arg=1))
     assert mem.StageMemory.of(_executor(), update, [_Compiled(None)], (), 0) is None
@@ -263,3 +282,90 @@ def test_kills_model_layer_names_and_initial_scale():
     middle = nnx.eval_shape(lambda: StageModel(cfg, 1, 2, seed=3))
     assert not middle.is_first and middle.is_last and not hasattr(middle, "embed")
     assert not hasattr(middle, "layer_000")
+
+
+# ------------------------------------------------------------------------------ planner/memory_model.py
+# Every figure below is the module docstring's formula evaluated by hand for one small model:
+# d=16, h=4 heads, g=2 kv heads, e=4, F=24, V=64; s=8, micro-batch 4 over data=2 -> n=16 tokens
+# per device, tensor T=2; parameters f32, activations bf16 (a=2); one layer has
+# P = d*h*e + 2*d*g*e + h*e*d + 3*d*F + 2*d = 1,952 parameters.
+
+from h2jax.cluster import ChipType, Kernels, Precision  # noqa: E402
+from h2jax.config import ModelConfig  # noqa: E402
+from h2jax.planner import memory_model as mm  # noqa: E402
+
+_MM_CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=24)
+_GIB = 2**30
+
+
+def _mm_chip(platform="cpu", attention="xla", compute="bfloat16"):
+    return ChipType("c", platform, 1.0, 1.0, 2, 10.0, 1.0, "t", precision=Precision("float32", compute),
+                    kernels=Kernels(attention))
+
+
+def _terms(recompute="none", first=True, last=True, in_flight=3, chip=None, **kw):
+    return mm.stage_memory_terms(_MM_CFG, 8, 4, chip or _mm_chip(), 2, 2, recompute, first, last, in_flight, **kw)
+
+
+def test_kills_planner_memory_terms_of_a_first_and_last_stage_by_hand():
+    t = _terms()
+    per_param = 4 + 4 + 8 / 2  # f32 params, f32 grads, AdamW's 8 bytes split over data=2
+    assert t.layer_static == 1952 / 2 * per_param == 11712
+    assert t.params_end == (64 * 16 + 64 * 16 + 16) / 2 * per_param == 12384
+    # A(n), none, explicit attention: n*a*(4d + ((h+2g)e + d + 3F + h*s)/T) = 32 * (64 + 152/2)
+    assert t.layer_activation == 16 * 2 * (4 * 16 + ((4 + 4) * 4 + 16 + 72 + 4 * 8) / 2) == 4480
+    assert t.working == 16 * 64 / 2 * 4 * 2 == 4096  # f32 logits and their gradient
+    assert t.reserve == pytest.approx(0.1 * _GIB) and t.capacity == _GIB
+    assert t.in_flight == 3 and t.deferred == 0 and t.layer_deferred == 16 * 16 * 2
+    assert t.per_layer == 11712 + 3 * 4480
+    assert t.total_bytes(2) == pytest.approx(2 * (11712 + 3 * 4480) + 12384 + 4096 + 0.1 * _GIB)
+    assert t.static_bytes(2) == int(2 * 11712 + 12384 + 4096 + 0.1 * _GIB)
+    assert t.activation_bytes(2) == 2 * 4480
+    room = _GIB - 12384 - 4096 - 0.1 * _GIB
+    assert t.max_layers() == math.floor(room / (11712 + 3 * 4480))
+    b = t.breakdown(2)
+    assert b["params_grads_optimizer"] == pytest.approx((2 * 11712 + 12384) / _GIB)
+    assert b["activations"] == pytest.approx(3 * 4480 * 2 / _GIB)
+    assert b["deferred_weight_gradients"] == 0
+    assert b["working"] == pytest.approx(4096 / _GIB) and b["reserve"] == pytest.approx(0.1)
+    assert b["total"] == pytest.approx(t.total_bytes(2) / _GIB) and b["capacity"] == 1.0
+
+
+def test_kills_planner_memory_middle_stage_selective_sgd_by_hand():
+    t = _terms("selective", first=False, last=False, in_flight=1, optimizer="sgd")
+    assert t.layer_static == 1952 / 2 * (4 + 4 + 0) and t.params_end == 0
+    assert t.layer_activation == 16 * 2 * (64 + (32 + 16 + 72) / 2) == 3968  # the attention core recomputed
+    assert t.working == 4480  # the layer being recomputed keeps what "none" keeps
+    first_only = _terms("full", first=True, last=False, in_flight=1)
+    assert first_only.params_end == 64 * 16 / 2 * 12 and first_only.layer_activation == 16 * 2 * 16
+    last_only = _terms("full", first=False, last=True, in_flight=1, shard_optimizer=False)
+    assert last_only.params_end == (64 * 16 + 16) / 2 * (4 + 4 + 8)
+    assert last_only.working == 4480 + 4096
+
+
+def test_kills_planner_memory_attention_kernels_by_hand():
+    blocked = _terms(chip=_mm_chip("cpu", "fused"))  # fused on a CPU: the blocked XLA kernel
+    assert blocked.layer_activation == 3968  # no scores kept
+    assert blocked.working == 16 * min(512, 8) * 4 * 8 / 2 + 4096  # one block's f32 scores + probs, + logits
+    blocked_full = _terms("full", chip=_mm_chip("cpu", "fused"), last=False)
+    assert blocked_full.working == 2048 + 3968
+    cudnn = _terms(chip=_mm_chip("cuda", "fused"))
+    assert cudnn.layer_activation == 3968 + 16 * 4 * 4 / 2  # one f32 log-sum-exp per head and token
+    assert cudnn.working == 4096
+    assert mm.attention_working_bytes(_MM_CFG, 8, 16, 2, "cudnn") == 0.0
+    assert mm.layer_activation_bytes(_MM_CFG, 8, 16, 2, "full", 2, "cudnn") == 512
+
+
+def test_kills_planner_memory_measured_activation_and_deferred_gradients():
+    t = _terms(measured_activation=777, deferred=2)
+    assert t.layer_activation == 777.0
+    assert t.per_layer == 11712 + 3 * 777 + 2 * 512
+    assert t.breakdown(1)["deferred_weight_gradients"] == pytest.approx(2 * 512 / _GIB)
+
+
+def test_kills_planner_memory_nothing_fits_below_the_end_parameters():
+    tiny = ChipType("c", "cpu", 1e-5, 1.0, 2, 10.0, 1.0, "t", precision=Precision("float32", "bfloat16"))
+    t = _terms(chip=tiny)
+    assert t.max_layers() == -1
+    assert mm.end_params(_MM_CFG, False, False) == 0
+    assert mm.end_params(_MM_CFG, True, True) == 64 * 16 * 2 + 16
