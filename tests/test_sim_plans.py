@@ -58,6 +58,8 @@ def test_simulate_cli_json_trace_plot(tmp_path, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n_stages"] == 3 and out["schedule"] == "1f1b"
+    # every registered schedule the plan's 3 stages and 4 micro-batches can run (interleaved
+    # needs a multiple of 3 micro-batches)
     assert set(out["schedules"]) == {"gpipe", "1f1b", "zb-h1"}
     assert out["schedules"]["zb-h1"]["step_time_s"] <= out["schedules"]["1f1b"]["step_time_s"]
     assert out["schedules"]["1f1b"]["step_time_s"] == out["step_time_s"]
@@ -139,3 +141,34 @@ def test_plan_refine_with_sim_keeps_the_fastest_simulated_plan(tmp_path):
     costs = cost_model.stage_costs(plan, load_cluster(ROOT / "plans" / "cluster-64.toml"))
     assert simulate_plan(plan, costs).iteration_s == pytest.approx(refined["simulated"]["step_time_s"][0], rel=1e-12)
     assert plan.predicted["simulated"]["step_time_s"] == refined["simulated"]["step_time_s"][0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_bubble_fraction_is_one_number_in_plan_simulate_and_compare(schedule, tmp_path, capsys):
+    """The same plan's bubble fraction, as `h2jax plan`, `h2jax simulate` and `h2jax compare`
+    print it (the demo prints the plan's own `predicted` figure): one definition, one number."""
+    args = ["--cluster", str(ROOT / "plans" / "cluster-64.toml"), "--model", "llama-7b", "--seq-len", "2048",
+            "--global-batch-tokens", "2M", "--schedule", schedule]
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", *args, "--no-baselines", "--out", str(out), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["plan"]["predicted"]["bubble_fraction"]
+    assert cli_main(["simulate", "--plan", str(out), "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert cli_main(["compare", *args, "--json"]) == 0
+    compared = json.loads(capsys.readouterr().out)["mixed"]["predicted"]["bubble_fraction"]
+    assert 0 < planned < 1
+    assert planned == simulated["bubble_fraction"] == compared
+    # the replayed timeline's own figure is reported beside it, under its own name
+    assert 0 < simulated["simulated_bubble_fraction"] < 1
+
+
+def test_one_stage_has_no_bubble(tmp_path, capsys):
+    plan = json.loads(DEMO.read_text())
+    plan["stages"] = [{**plan["stages"][0], "layers": [0, 8], "mesh": {"data": 1, "tensor": 1}}]
+    plan.pop("predicted", None)
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(plan))
+    assert cli_main(["simulate", "--plan", str(path), "--json", "--all-schedules"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_fraction"] == 0.0 and out["simulated_bubble_fraction"] == 0.0
+    assert all(s["bubble_fraction"] == 0.0 for s in out["schedules"].values())

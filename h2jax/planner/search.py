@@ -188,7 +188,7 @@ def top_k(
     `stats.proved_optimal` says it was stopped. `schedule="auto"` searches every registered
     schedule (and, for interleaved 1F1B, each v in VIRTUAL_STAGES unless `virtual_stages`
     names one) and returns the fastest plans over all of them; `stats.schedule_times` holds
-    each one's best time.
+    each one's best time; a time limit bounds the whole search, shared among them.
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
@@ -205,9 +205,11 @@ def top_k(
     found: list[Candidate] = []
     stats = SearchStats(lower_bound_s=math.inf)
     errors: list[PlannerError] = []
-    end = None if time_limit_s is None else time.perf_counter() + time_limit_s  # one limit for all runs
-    for name, v in runs:
-        left = None if end is None else max(0.0, end - time.perf_counter())
+    # One limit for the whole search: each schedule gets an equal share of the time left, so a
+    # slow one cannot starve those after it.
+    end = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    for idx, (name, v) in enumerate(runs):
+        left = None if end is None else max(1e-3, (end - time.perf_counter()) / (len(runs) - idx))
         try:
             cands, st = _top_k_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
                                    micro_batches, recompute, options, left)
