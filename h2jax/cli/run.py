@@ -48,6 +48,14 @@ def add_parser(sub) -> None:
     t.add_argument("--eval-every", type=int, help="evaluate on the validation split every N steps (0: never)")
     t.add_argument("--eval-batches", type=int, help="validation batches per evaluation")
     t.add_argument("--log-every", type=int, help="write a metrics record every N steps")
+    c = p.add_argument_group("checkpoints (by global layer: any plan of the same model resumes them)")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here: every --save-every steps "
+                   "(asynchronously), at the end, and on Ctrl-C/SIGTERM (then exit 0)")
+    c.add_argument("--save-every", type=positive_int, metavar="N", help="save every N steps (default: only at the end)")
+    c.add_argument("--keep", type=positive_int, metavar="K", help="keep the newest K checkpoints (default: all)")
+    c.add_argument("--resume", nargs="?", const=True, default=False, type=positive_int, metavar="STEP",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir (or STEP); "
+                        "--steps more steps")
     p.add_argument("--unpipelined", action="store_true",
                    help="run the same model on the same data as one jitted function on one device")
     p.add_argument("--json", action="store_true", help="print one final JSON line instead of a progress bar")
@@ -61,6 +69,8 @@ def main(args: argparse.Namespace) -> int:
     plan = with_overrides(load_plan(args.plan), args)  # validates before JAX starts
     if args.steps < 1:
         raise SystemExit("h2jax run: error: --steps must be >= 1")
+    if (args.resume is not False or args.save_every or args.keep) and not args.checkpoint_dir:
+        raise SystemExit("h2jax run: error: --resume, --save-every and --keep need --checkpoint-dir DIR")
     from h2jax.runtime import ranks
     from h2jax.runtime.train import run
 
@@ -78,7 +88,9 @@ def main(args: argparse.Namespace) -> int:
     n_chips = 1 if args.unpipelined else plan.n_devices
     with training_progress(args.steps, plan.tokens_per_step, n_chips, enabled=not args.json and reports) as bar:
         result = run(plan, args.steps, dataset=dataset, unpipelined=args.unpipelined, on_step=bar,
-                     on_eval=bar.evaluated if bar else None, trace=output_path(args.trace) if args.trace else None, log_dir=args.log_dir)
+                     on_eval=bar.evaluated if bar else None, trace=output_path(args.trace) if args.trace else None, log_dir=args.log_dir,
+                     checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
+                     resume=args.resume)
     if not reports:  # another MPI rank prints
         return 0
     if args.trace:
@@ -92,4 +104,7 @@ def main(args: argparse.Namespace) -> int:
             + (f", eval loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else "")
             + (f" ({result.emulation_note})" if result.emulation_note else "")
         )
+        if result.checkpoint is not None:
+            print(f"checkpoint of step {int(result.checkpoint.name[len('step_'):])} written to "
+                  f"{result.checkpoint}")
     return 0

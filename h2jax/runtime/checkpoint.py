@@ -583,3 +583,46 @@ def _verify_item(item_dir: Path, sums: dict[str, list[int]]) -> None:
             raise CheckpointError(f"{p}: truncated or overwritten: {actual} bytes, {size} when written")
         if _crc32(p) != crc:
             raise CheckpointError(f"{p}: corrupted: CRC-32 differs from the one recorded when written")
+
+
+# ----------------------------------------------------------------------------- a training run's checkpoints
+
+
+class RunCheckpoints:
+    """The checkpoints of one training run (`h2jax run --checkpoint-dir D --save-every N
+    --keep K`): `after_step(step)` on every process after every step starts an asynchronous
+    save every `save_every` steps and otherwise commits the one in flight once written;
+    `finish(step)` saves `step` unless it is already saved and waits for the commit."""
+
+    def __init__(self, trainer, directory, *, save_every: int | None = None, keep: int | None = None,
+                 dataset=None):
+        if save_every is not None and save_every < 1:
+            raise CheckpointError(f"--save-every must be >= 1, got {save_every}")
+        plan = trainer.plan
+        world = (LocalWorld() if getattr(trainer, "role", None) is None
+                 else TransportWorld(trainer.transport, trainer.executors, plan.n_stages))
+        self.trainer, self.save_every, self.dataset = trainer, save_every, dataset
+        self.writer = CheckpointWriter(directory, keep=keep, world=world)
+        self.saved_step: int | None = None
+
+    def meta(self, step: int) -> dict:
+        where = getattr(self.dataset, "directory", getattr(self.dataset, "path", None))
+        meta = checkpoint_meta(self.trainer.plan, step, data_path=None if where is None else str(where))
+        meta["data"]["tokenizer_sha256"] = getattr(self.dataset, "tokenizer_sha256", None)
+        return meta
+
+    def save(self, step: int) -> None:
+        self.writer.save(step, self.trainer.executors, self.meta(step))
+        self.saved_step = step
+
+    def after_step(self, step: int) -> None:
+        if self.save_every and step % self.save_every == 0:
+            self.save(step)
+        else:
+            self.writer.poll()
+
+    def finish(self, step: int) -> Path:
+        if self.saved_step != step:
+            self.save(step)
+        path = self.writer.wait()
+        return path if path is not None else step_dir(self.writer.directory, step)

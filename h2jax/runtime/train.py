@@ -36,6 +36,7 @@ class RunResult:
     reports: bool = True  # whether this process reports progress (rank 0 of an MPI job)
     eval_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, loss)
     learning_rates: list[float] = dataclasses.field(default_factory=list)
+    checkpoint: object = None  # the path of the checkpoint the run ended with (--checkpoint-dir)
 
     @property
     def emulation_note(self) -> str:
@@ -388,6 +389,7 @@ def train(
     stage_figures: Callable[[float], dict] | None = None,
     n_chips: int | None = None,
     guard=None,
+    checkpoints=None,
 ) -> tuple[list[float], list[float], list[float], list[float], list[tuple[int, float]]]:
     """The training loop: `learner` (a Trainer, or the reference) takes `steps` steps on
     batches `start_step`, ... of `dataset`; every `plan.train.eval_every` steps (and after the
@@ -410,6 +412,8 @@ def train(
             on_step(n, m.loss, m.step_time_s)
         if guard is not None:  # a non-finite loss, a stop signal, the MPI step watchdog's heartbeat
             guard.after_step(n + 1, m)
+        if checkpoints is not None:  # h2jax.runtime.checkpoint.RunCheckpoints: every N steps, asynchronous
+            checkpoints.after_step(n + 1)
         done, last = n + 1, n == start_step + steps - 1
         if t.eval_every and (done % t.eval_every == 0 or last):
             loss = float(np.mean([
@@ -446,6 +450,10 @@ def run(
     emulate_time: bool = True,
     mpi_path: str | None = None,
     trace: str | None = None,
+    checkpoint_dir: str | None = None,
+    save_every: int | None = None,
+    keep: int | None = None,
+    resume: bool | int = False,
 ) -> RunResult:
     """Train `plan` for `steps` optimizer steps and return what happened.
 
@@ -456,7 +464,12 @@ def run(
     the run (under MPI every rank's events, gathered into one file by rank 0). `dataset`: a
     TokenDataset or PreparedDataset (h2jax.data.open_dataset), default the stdlib corpus;
     `plan.train` sets the learning-rate schedule, evaluation and logging; `log_dir` receives
-    metrics (JSONL and TensorBoard, h2jax.metrics) from the reporting process."""
+    metrics (JSONL and TensorBoard, h2jax.metrics) from the reporting process.
+
+    `checkpoint_dir` keeps checkpoints (h2jax.runtime.checkpoint): every `save_every` steps
+    (asynchronously), at the end and on Ctrl-C/SIGTERM, the newest `keep`. `resume` (True: the
+    newest, or a step number) continues from one written by any plan of the same model:
+    `steps` more steps, from its data position; it is checked before anything compiles."""
     from h2jax.runtime.optim import learning_rate_schedule, with_schedule_length
 
     plan = load_plan(plan) if isinstance(plan, str) else plan
@@ -471,8 +484,12 @@ def run(
             "dataset lacks; give --data a directory from `h2jax data prepare` with --val-fraction > 0 "
             "(and a split of at least seq_len + 2 tokens), or set train.eval_every to 0"
         )
+    if (resume is not False or save_every is not None or keep is not None) and checkpoint_dir is None:
+        raise ConfigError("resume, save_every and keep need a checkpoint directory (--checkpoint-dir)")
+    if unpipelined and checkpoint_dir is not None:
+        raise ConfigError("--checkpoint-dir keeps checkpoints of the pipelined run; drop --unpipelined")
     args = (plan, steps, dataset, transport, on_step, on_eval, log_dir, return_params, emulate_time,
-            mpi_path, trace)
+            mpi_path, trace, (checkpoint_dir, save_every, keep, resume))
     if not ranks.in_mpi_job():
         from h2jax.runtime.jaxsetup import prepare_local_devices
 
@@ -504,7 +521,7 @@ def _metrics_writer(log_dir, plan: Plan, dataset, n_chips: int, emulated: dict):
 
 
 def _run(unpipelined, plan, steps, dataset, transport, on_step, on_eval, log_dir, return_params,
-         emulate_time, mpi_path, trace) -> RunResult:
+         emulate_time, mpi_path, trace, checkpointing=(None, None, None, False)) -> RunResult:
     from h2jax.runtime.guard import RunGuard
 
     if unpipelined:
@@ -527,8 +544,28 @@ def _run(unpipelined, plan, steps, dataset, transport, on_step, on_eval, log_dir
                          eval_losses=evals, learning_rates=lrs)
     from h2jax.runtime.tracing import StepTracer
 
+    from h2jax.runtime.signals import RunInterrupted
+
+    checkpoint_dir, save_every, keep, resume = checkpointing
+    checkpoint = None
+    if resume is not False:  # every check before any stage compiles
+        from h2jax.runtime.checkpoint import open_checkpoint
+
+        mine = [ranks.process_role(plan).stage] if ranks.in_mpi_job() else None
+        checkpoint = open_checkpoint(checkpoint_dir, plan, step=None if resume is True else int(resume), stages=mine)
+        check_compatible(dataset, plan.model.vocab_size, checkpoint.meta["data"].get("tokenizer_sha256"))
     trainer = Trainer(plan, transport, emulate_time=emulate_time, mpi_path=mpi_path,
                       tracer=StepTracer() if trace or log_dir else None)
+    start = 0
+    if checkpoint is not None:
+        for ex in trainer.executors.values():
+            checkpoint.restore(ex)
+        trainer.step_count = start = checkpoint.step
+    checkpoints = None
+    if checkpoint_dir is not None:
+        from h2jax.runtime.checkpoint import RunCheckpoints
+
+        checkpoints = RunCheckpoints(trainer, checkpoint_dir, save_every=save_every, keep=keep, dataset=dataset)
     writer = _metrics_writer(log_dir, plan, dataset, plan.n_devices, trainer.emulated) if trainer.reports else None
     seen = [0]
 
@@ -539,10 +576,20 @@ def _run(unpipelined, plan, steps, dataset, transport, on_step, on_eval, log_dir
     guard = RunGuard(plan, trainer)
     try:
         losses, times, norms, lrs, evals = train(
-            trainer, plan, dataset, steps, on_step=on_step if trainer.reports else None,
+            trainer, plan, dataset, steps, start, on_step=on_step if trainer.reports else None,
             on_eval=on_eval if trainer.reports else None, writer=writer,
-            stage_figures=stage_figures if log_dir else None, guard=guard,
+            stage_figures=stage_figures if log_dir else None, guard=guard, checkpoints=checkpoints,
         )
+        saved = checkpoints.finish(trainer.step_count) if checkpoints is not None else None
+    except RunInterrupted as e:
+        if checkpoints is None:
+            raise
+        # The step is whole on every process: save it, then stop with status 0.
+        path = checkpoints.finish(trainer.step_count)
+        stopped = RunInterrupted(e.signum, e.step, f"checkpoint of step {trainer.step_count} written to {path}; "
+                                 f"continue with --resume")
+        stopped.exit_code = 0
+        raise stopped from None
     finally:
         guard.close()
         if writer is not None:
@@ -554,6 +601,7 @@ def _run(unpipelined, plan, steps, dataset, transport, on_step, on_eval, log_dir
         trainer.params_numpy() if return_params else None, norms, trainer.emulated,
         trainer.describe_transport(), trainer.reports, evals, lrs,
     )
+    result.checkpoint = saved
     trainer.close()
     return result
 
