@@ -369,3 +369,104 @@ def test_kills_planner_memory_nothing_fits_below_the_end_parameters():
     assert t.max_layers() == -1
     assert mm.end_params(_MM_CFG, False, False) == 0
     assert mm.end_params(_MM_CFG, True, True) == 64 * 16 * 2 + 16
+
+
+# ------------------------------------------------------------------------------ planner/cost_model.py
+# The module docstring's equations by hand, same small model: P_mm = 3*256 + 3*16*24 = 1,920
+# matmul parameters per layer, n = 16 tokens per device, T = 2, a = 2 bytes; a chip of 1 TFLOP/s
+# with 2 chips per node, 10 GB/s inside a node and 1 GB/s between nodes.
+
+from h2jax.planner import cost_model as cm  # noqa: E402
+from h2jax.planner.stage_cost import StageCost  # noqa: E402
+
+
+def _cm_chip(attention="xla", platform="cpu"):
+    return ChipType("c", platform, 1.0, 1.0, 2, 10.0, 1.0, "t", precision=Precision("float32", "bfloat16"),
+                    kernels=Kernels(attention))
+
+
+def test_kills_planner_cost_helpers_by_hand():
+    assert cm.matmul_params(_MM_CFG) == 1920
+    assert cm.efficiency(256, 256) == pytest.approx(0.75 / 4)
+    assert cm.efficiency(16, 8) == pytest.approx(0.75 * 16 / 272 * 8 / 264)
+    assert cm.allreduce_s(1e9, 1, 10.0) == 0.0
+    assert cm.allreduce_s(1e9, 4, 10.0) == pytest.approx(2 * 3 / 4 * 0.1 + 2 * 3 * 5e-6)
+    assert cm.dtype_bytes("bfloat16") == 2 and cm.dtype_bytes("float64") == 8
+    with pytest.raises(mem.ConfigError) as e:
+        cm.dtype_bytes("int4")
+    assert str(e.value) == "unknown dtype 'int4' in a chip's [precision]; use one of float32, bfloat16, float16, float64"
+    assert cm.attention_flops_per_token(_MM_CFG, 8) == 4 * 8 * 4 * 4
+    keys = (128 * 128 + 72 * 200) / 200  # causal tiles of 128 over 200 positions
+    assert cm.attention_flops_per_token(_MM_CFG, 200, "cudnn") == pytest.approx(4 * keys * 16)
+    assert cm.attention_score_bytes_per_token(_MM_CFG, 8, "xla", 2) == 4 * 8 * 12
+    assert cm.attention_score_bytes_per_token(_MM_CFG, 8, "cudnn", 2) == 0.0
+    assert cm.model_flops_per_token(_MM_CFG, 8) == 3 * (4 * (2 * 1920 + 512) + 2 * 16 * 64)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_kills_planner_cost_stage_terms_by_hand(recompute):
+    t = cm.stage_terms(_MM_CFG, 8, 4, _cm_chip(), 2, 2, recompute, True, True, 3)
+    rate = 1e12 * 0.75 * 16 / 272 * 8 / 264
+    mm_s = 16 * 2 * 1920 / 2 / rate
+    attn_s = 16 * 512 / 2 / rate + 16 * 384 / 2 / 5e9  # FLOPs, and the scores through HBM at peak/200
+    tp_ar = 512 / 1e10 + 2 * 5e-6  # n*d*a bytes over 2 chips, intra-node
+    recompute_s = {"none": 0.0, "selective": attn_s, "full": mm_s + attn_s}[recompute]
+    assert t.fwd_layer == pytest.approx(mm_s + attn_s + 2 * tp_ar, rel=1e-12)
+    assert t.bwd_layer == pytest.approx(2 * mm_s + 2 * attn_s + recompute_s
+                                        + (4 if recompute == "full" else 2) * tp_ar, rel=1e-12)
+    assert t.bwd_weight_layer == pytest.approx(mm_s, rel=1e-12)
+    logit_s = 16 * 2 * 16 * 64 / 2 / rate
+    assert t.fwd_end == pytest.approx(tp_ar + logit_s, rel=1e-12)
+    assert t.bwd_end == pytest.approx(2 * logit_s + tp_ar, rel=1e-12)
+    assert t.bwd_weight_end == pytest.approx(logit_s, rel=1e-12)
+    # data x tensor = 4 chips > 2 per node: the gradient all-reduce crosses nodes (1 GB/s)
+    assert t.dp_layer == pytest.approx(4 * 1952 / 2 / 1e9, rel=1e-9)
+    assert t.dp_end == pytest.approx(4 * 2064 / 2 / 1e9 + 2 * 5e-6, rel=1e-9)
+    opt = 28 / 5e9 / 4  # AdamW's bytes per owned parameter, sharded over data x tensor
+    assert t.tail_layer == pytest.approx(t.dp_layer + opt * 1952, rel=1e-12)
+    assert t.tail_end == pytest.approx(t.dp_end + opt * 2064, rel=1e-12)
+    assert t.fwd(3) == pytest.approx(3 * t.fwd_layer + t.fwd_end) and t.bwd(2) == pytest.approx(2 * t.bwd_layer + t.bwd_end)
+    assert t.tail(2) == pytest.approx(2 * t.tail_layer + t.tail_end)
+    assert t.mem.in_flight == 3
+
+
+def test_kills_planner_cost_middle_stage_sgd_unsharded_cudnn_by_hand():
+    chip = _cm_chip("fused", "cuda")  # cuDNN: causal keys, no scores through HBM, 2.5x backward
+    t = cm.stage_terms(_MM_CFG, 8, 2, chip, 1, 1, "none", False, False, 1,
+                       options=cm.CostOptions(shard_optimizer=False, optimizer="sgd"))
+    n = 16
+    rate = 1e12 * 0.75 * n / (n + 256) * 16 / (16 + 256)
+    attn_s = n * 4 * 8 * 16 / rate  # 8 positions: one tile, every key
+    assert t.fwd_layer == pytest.approx(n * 2 * 1920 / rate + attn_s, rel=1e-12)  # no tensor all-reduce
+    assert t.bwd_layer == pytest.approx(2 * n * 2 * 1920 / rate + 2.5 * attn_s, rel=1e-12)
+    assert t.fwd_end == t.bwd_end == t.bwd_weight_end == 0.0 and t.dp_layer == 0.0 and t.dp_end == 0.0
+    assert t.tail_layer == pytest.approx(12 / 5e9 * 1952, rel=1e-12)
+
+
+def test_kills_planner_cost_send_and_options_by_hand():
+    fast, slow = _cm_chip(), ChipType("s", "cpu", 1.0, 1.0, 2, 10.0, 0.25, "t")
+    seconds, nbytes = cm.send_terms(_MM_CFG, 8, 4, fast, 2, 1, slow, 1, 2)
+    assert nbytes == 4 * 8 * 16 * 2  # the sender's compute dtype
+    assert seconds == pytest.approx(max(nbytes / (2 * 1e9), nbytes / (2 * 0.25e9)))
+    plan = plan_from_dict({"format_version": 1, "model": "tiny", "seq_len": 16, "global_batch": 4, "micro_batch": 2,
+                           "optimizer": {"name": "sgd", "shard_over_data": False},
+                           "stages": [{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [0, 4]}]})
+    assert cm.CostOptions.of(plan) == cm.CostOptions(shard_optimizer=False, optimizer="sgd")
+
+
+def _cost(f, b, send=0.0, latency=0.0, dp=0.0, opt=0.0):
+    return StageCost(forward_s=f, backward_s=b, backward_weight_s=b / 2, send_s=send, send_bytes=0,
+                     dp_reduce_s=dp, optimizer_s=opt, activation_bytes=0, static_bytes=0, link_latency_s=latency)
+
+
+def test_kills_planner_cost_iteration_time_by_hand():
+    """1F1B: sum t + 2 sum c + (m-1) max(max t, max send) + max tail;
+    GPipe: sum t + 2 sum c + (m-1) (max(max f, max send) + max(max b, max send)) + max tail."""
+    costs = [_cost(1.0, 2.0, send=2.5, latency=0.1, dp=0.2, opt=0.1), _cost(2.0, 3.0, dp=0.1, opt=0.1)]
+    assert cm.iteration_time(costs, 4, "1f1b") == pytest.approx(8 + 2 * 2.6 + 3 * 5 + 0.3)
+    assert cm.iteration_time(costs, 4, "gpipe") == pytest.approx(8 + 2 * 2.6 + 3 * (2.5 + 3) + 0.3)
+    assert cm.pipeline_time(costs, 1, "1f1b") == pytest.approx(8 + 2 * 2.6)
+    with pytest.raises(mem.ConfigError, match="at least one stage"):
+        cm.iteration_time([], 4)
+    with pytest.raises(mem.ConfigError, match=r"n_micro must be >= 1, got 0"):
+        cm.pipeline_time(costs, 0)
