@@ -470,3 +470,83 @@ def test_kills_planner_cost_iteration_time_by_hand():
         cm.iteration_time([], 4)
     with pytest.raises(mem.ConfigError, match=r"n_micro must be >= 1, got 0"):
         cm.pipeline_time(costs, 0)
+
+
+# ------------------------------------------------------------------------------ transport/reshard.py
+
+from h2jax.transport import reshard as rs  # noqa: E402
+
+
+def test_kills_reshard_layout_errors_name_the_problem():
+    with pytest.raises(ValueError) as e:
+        rs.Layout(0, 2)
+    assert str(e.value) == "mesh sizes must be >= 1, got data=0, tensor=2"
+    with pytest.raises(ValueError) as e:
+        rs.Layout(2, 1, owners=("a",))
+    assert str(e.value) == "owners lists 1 devices but the mesh has 2"
+    with pytest.raises(ValueError) as e:
+        rs.Layout(1, 1, spec=("data", "pipe"))
+    assert str(e.value) == "spec ('data', 'pipe') names mesh axis 'pipe'; known axes: ('data', 'tensor')"
+    with pytest.raises(ValueError) as e:
+        rs.Layout(1, 2).block(0, (4, 2, 3))
+    assert str(e.value) == ("dimension 2 of shape (4, 2, 3) (3) is not divisible by the 2 devices of mesh axis "
+                            "'tensor'; pick sizes that divide it")
+
+
+def test_kills_reshard_blocks_of_a_two_axis_dimension_major_first():
+    layout = rs.Layout(2, 2, spec=(("data", "tensor"), None), owners=("a", "b", "c", "d"))
+    blocks = [layout.block(p, (8, 3)) for p in range(4)]
+    assert blocks == [(slice(2 * p, 2 * p + 2), slice(0, 3)) for p in range(4)]
+    assert [layout.owner(p) for p in range(4)] == ["a", "b", "c", "d"] and rs.Layout(1, 3).owner(2) == 2
+    assert layout.coords(3) == {"data": 1, "tensor": 1} and layout.size == 4
+    assert rs.Layout(2, 3).coords(4) == {"data": 1, "tensor": 1}
+
+
+def test_kills_reshard_replicated_sender_by_hand():
+    """A sender replicated on 2 devices, a receiver split over data=2: each receiver block is
+    cut in two along its longest (first) dimension, the halves taken from the least-loaded
+    replica first."""
+    src, dst = rs.Layout(1, 2, spec=(None, None, None)), rs.Layout(2, 1)
+    plan = rs.reshard_plan(src, dst, (4, 2, 2), 4)
+    got = [(t.src_pos, t.dst_pos, t.index, t.nbytes) for t in plan]
+    whole = (slice(0, 2), slice(0, 2))
+    assert got == [(0, 0, (slice(0, 1),) + whole, 16), (1, 0, (slice(1, 2),) + whole, 16),
+                   (0, 1, (slice(2, 3),) + whole, 16), (1, 1, (slice(3, 4),) + whole, 16)]
+    assert rs.total_bytes(plan) == 64 and rs.bytes_per_dst_group(plan, dst) == {0: 32, 1: 32}
+
+
+def test_kills_reshard_broadcast_moves_tensor_times_the_bytes_by_hand():
+    src, dst = rs.Layout(1, 1), rs.Layout(1, 2)
+    aware = rs.reshard_plan(src, dst, (2, 3, 4), 2)
+    naive = rs.broadcast_plan(src, dst, (2, 3, 4), 2)
+    assert [t.index for t in aware] == [(slice(0, 2), slice(0, 3), slice(0, 2)), (slice(0, 2), slice(0, 3), slice(2, 4))]
+    assert [t.index for t in naive] == [(slice(0, 2), slice(0, 3), slice(0, 4))] * 2
+    assert rs.total_bytes(aware) == 48 and rs.total_bytes(naive) == 96
+    x = np.arange(24).reshape(2, 3, 4)
+    for plan in (aware, naive):
+        out = rs.apply_local(plan, src, dst, {0: x}, (2, 3, 4), x.dtype)
+        np.testing.assert_array_equal(out[0], x[:, :, :2])
+        np.testing.assert_array_equal(out[1], x[:, :, 2:])
+
+
+def test_kills_reshard_split_and_index_helpers_by_hand():
+    index = (slice(0, 2), slice(1, 8))
+    assert rs._split(index, 3) == [(slice(0, 2), slice(1, 3)), (slice(0, 2), slice(3, 5)), (slice(0, 2), slice(5, 8))]
+    assert rs._split((slice(0, 2), slice(0, 1)), 5) == [(slice(0, 1), slice(0, 1)), (slice(1, 2), slice(0, 1))]
+    assert rs._intersect((slice(0, 4),), (slice(4, 6),)) is None
+    assert rs._intersect((slice(0, 4), slice(2, 5)), (slice(3, 6), slice(0, 3))) == (slice(3, 4), slice(2, 3))
+    assert rs.relative((slice(3, 5), slice(2, 4)), (slice(2, 6), slice(0, 4))) == (slice(1, 3), slice(2, 4))
+    assert rs.shape_of((slice(3, 5), slice(2, 4))) == (2, 2) and rs._count((slice(3, 5), slice(2, 5))) == 6
+
+
+def test_kills_reshard_layout_from_a_named_sharding():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    layout = rs.Layout.from_sharding(NamedSharding(mesh, P("data", None, "tensor")))
+    assert (layout.data, layout.tensor, layout.spec) == (2, 2, ("data", None, "tensor"))
+    assert layout.owners == tuple(d.id for d in jax.devices()[:4])
+    named = rs.Layout.from_sharding(NamedSharding(mesh, P()), owner=lambda d: f"dev{d.id}")
+    assert named.owners[0] == f"dev{jax.devices()[0].id}"
+    other = jax.sharding.Mesh(np.asarray(jax.devices()[:2]).reshape(1, 2), ("x", "y"))
+    with pytest.raises(ValueError) as e:
+        rs.Layout.from_sharding(NamedSharding(other, P()))
+    assert str(e.value) == "stage meshes have axes ('data', 'tensor'), got ('x', 'y')"
