@@ -550,3 +550,108 @@ def test_kills_reshard_layout_from_a_named_sharding():
     with pytest.raises(ValueError) as e:
         rs.Layout.from_sharding(NamedSharding(other, P()))
     assert str(e.value) == "stage meshes have axes ('data', 'tensor'), got ('x', 'y')"
+
+
+# ------------------------------------------------------------------------------ schedules (registry)
+
+from h2jax import schedules as sch  # noqa: E402
+
+
+def _names(actions):
+    return [repr(a) for a in actions]
+
+
+def test_kills_schedule_1f1b_and_gpipe_action_lists_by_hand():
+    s = sch.get_schedule("1f1b")
+    assert _names(s.stage_actions(0, 3, 4)) == [
+        "F0", "SEND_ACT0", "F1", "SEND_ACT1",  # p - 1 = 2 warm-up forwards
+        "F2", "SEND_ACT2", "RECV_GRAD0", "B0", "F3", "SEND_ACT3", "RECV_GRAD1", "B1",
+        "RECV_GRAD2", "B2", "RECV_GRAD3", "B3"]
+    assert _names(s.stage_actions(2, 3, 2)) == [
+        "RECV_ACT0", "F0", "B0", "SEND_GRAD0", "RECV_ACT1", "F1", "B1", "SEND_GRAD1"]
+    assert _names(s.stage_actions(1, 3, 1)) == ["RECV_ACT0", "F0", "SEND_ACT0", "RECV_GRAD0", "B0", "SEND_GRAD0"]
+    g = sch.get_schedule("gpipe")
+    assert _names(g.stage_actions(1, 3, 2)) == [
+        "RECV_ACT0", "F0", "SEND_ACT0", "RECV_ACT1", "F1", "SEND_ACT1",
+        "RECV_GRAD0", "B0", "SEND_GRAD0", "RECV_GRAD1", "B1", "SEND_GRAD1"]
+    assert [s.in_flight(i, 3, 4) for i in range(3)] == [3, 2, 1] and s.in_flight(0, 3, 2) == 2
+    assert [g.in_flight(i, 3, 4) for i in range(3)] == [4, 4, 4]
+    assert [sch.max_in_flight(s.stage_actions(i, 3, 4)) for i in range(3)] == [3, 2, 1]
+    assert sch.max_in_flight(g.stage_actions(0, 3, 4)) == 4
+    assert s.memory_in_flight(1, 4, 8) == 3.0 and s.deferred(0, 3, 4) == 0
+    assert len(s.build(3, 4)) == 3
+
+
+def test_kills_schedule_helpers_by_hand():
+    A = sch.Action
+    plain = [A(sch.F, 0), A(sch.B, 0), A(sch.F, 1), A(sch.B, 1)]
+    assert [sch.backward_follows(plain, i) for i in range(4)] == [True, False, True, False]
+    assert not sch.backward_follows([A(sch.F, 0), A(sch.B, 1)], 0)
+    assert not sch.backward_follows([A(sch.F, 0, 0), A(sch.B, 0, 1)], 0)
+    assert not sch.backward_follows([A(sch.F, 0)], 0)
+    split = [A(sch.F, 0), A(sch.F, 1), A(sch.B, 0), A(sch.B, 1), A(sch.W, 0), A(sch.W, 1)]
+    assert not sch.backward_follows(split, 1)
+    assert sch.max_in_flight(split) == 2 and sch.max_deferred(split) == 2 and sch.max_deferred(plain) == 0
+    assert sch.max_in_flight([A(sch.F, 0), A(sch.B, 0), A(sch.W, 0), A(sch.F, 1)]) == 1
+    assert repr(A(sch.F, 3, 1)) == "F3c1" and repr(A(sch.B, 2)) == "B2"
+    # virtual stages: chunk c of stage i is c*p + i
+    assert sch.sender(0, 1, 4, sch.RECV_ACT) == (3, 0) and sch.sender(3, 0, 4, sch.RECV_GRAD) == (0, 1)
+    assert sch.receiver(3, 0, 4, sch.SEND_ACT) == (0, 1) and sch.receiver(0, 1, 4, sch.SEND_GRAD) == (3, 0)
+    assert sch.receiver(1, 0, 4, sch.SEND_ACT) == (2, 0)
+    with pytest.raises(ValueError) as e:
+        sch.actions_from_order(0, 2, [("X", 0, 0)])
+    assert str(e.value) == "unknown compute kind 'X' in stage 0's order; use F, B or W"
+    assert _names(sch.actions_from_order(0, 2, [(sch.F, 0, 0), (sch.W, 0, 0)])) == ["F0", "SEND_ACT0", "W0"]
+
+
+def test_kills_schedule_checks_name_the_fault():
+    with pytest.raises(ValueError) as e:
+        sch.get_schedule("2f2b")
+    assert str(e.value) == "schedule '2f2b' is unknown; use one of gpipe, 1f1b, interleaved-1f1b, zb-h1"
+    with pytest.raises(ValueError) as e:
+        sch.get_schedule("1f1b").stage_actions(0, 2, 2, v=2)
+    assert str(e.value) == ("schedule '1f1b' runs one chunk per stage; set virtual_stages to 1 or use "
+                            "interleaved-1f1b")
+    with pytest.raises(ValueError) as e:
+        sch.get_schedule("interleaved-1f1b").check_v(1)
+    assert str(e.value) == "schedule 'interleaved-1f1b' needs virtual_stages >= 2, got 1"
+    with pytest.raises(ValueError) as e:
+        sch.check_order([(sch.F, 0, 0), (sch.B, 0, 0)], 2, stage=3)
+    assert str(e.value) == "stage 3: F runs [(0, 0)]..., expected every micro-batch 0..1 x chunk 0..0 once"
+    with pytest.raises(ValueError) as e:
+        sch.check_order([(sch.B, 0, 0), (sch.F, 0, 0)], 1)
+    assert str(e.value) == "stage 0: B0 (chunk 0) comes before F0"
+    sch.check_order([(sch.F, 0, 0), (sch.B, 0, 0), (sch.W, 0, 0)], 1)  # a valid split order
+    with pytest.raises(ValueError, match="W0 \\(chunk 0\\) comes before B0"):
+        sch.check_order([(sch.F, 0, 0), (sch.W, 0, 0), (sch.B, 0, 0)], 1)
+    A = sch.Action
+    deadlock = [[A(sch.RECV_GRAD, 0), A(sch.F, 0), A(sch.SEND_ACT, 0)], [A(sch.RECV_ACT, 0), A(sch.F, 0)]]
+    with pytest.raises(RuntimeError) as e:
+        sch.execution_order(deadlock)
+    assert str(e.value) == "schedule deadlocks; stages wait at {0: RECV_GRAD0, 1: RECV_ACT0}"
+    order = sch.execution_order(sch.get_schedule("1f1b").build(2, 2))
+    assert [(i, repr(a)) for i, a in order][:4] == [(0, "F0"), (0, "SEND_ACT0"), (0, "F1"), (0, "SEND_ACT1")]
+
+
+def test_kills_schedule_closed_forms_and_bubble_by_hand():
+    f, b, w = [1.0, 2.0], [2.0, 3.0], [1.0, 1.5]
+    one = sch.get_schedule("1f1b").closed_form
+    assert one.pipeline_time(f, b, w, 0.6, 2.5, 4) == pytest.approx(8 + 1.2 + 3 * 5)
+    assert one.pipeline_time(f, b, w, 0.6, 6.0, 4) == pytest.approx(8 + 1.2 + 3 * 6)  # send-bound
+    gp = sch.get_schedule("gpipe").closed_form
+    assert gp.pipeline_time(f, b, w, 0.6, 2.5, 4) == pytest.approx(8 + 1.2 + 3 * (2.5 + 3))
+    chunked = sch.ClosedForm(fill=(1, 1, 0), fill_last=(2, 1, 0), steady=((1, 1, 0),), chunked=True)
+    assert chunked.steady_weight(4, 2) == 3.5 and chunked.fill_scale(2) == 0.5 and chunked.send_factor(2) == 2.0
+    assert chunked.fill_coefficients(2, 2).tolist() == [[0.5, 0.5, 0.0], [1.0, 0.5, 0.0]]
+    # fill (1+2)/2 + (2*2+3)/2 = 5, links 2*0.1, steady (4 - 1/2) * max(5, 2 * 1.0)
+    assert chunked.pipeline_time(f, b, w, 0.1, 1.0, 4, 2) == pytest.approx(5 + 0.2 + 3.5 * 5)
+    assert one.steady_weight(4) == 3.0 and one.fill_scale(2) == 1.0 and one.send_factor(3) == 1.0
+    assert sch.bubble_fraction([3.0, 1.0], 4.0) == 0.5 and sch.bubble_fraction([1.0], 0.0) == 0.0
+    assert sch.bubble_fraction([5.0, 5.0], 4.0) == 0.0
+
+
+def test_kills_schedule_variants_for_the_planner():
+    assert sch.variants("1f1b") == [("1f1b", 1)]
+    assert sch.variants("interleaved-1f1b") == [("interleaved-1f1b", 2), ("interleaved-1f1b", 4)]
+    assert sch.variants() == [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
+                              ("zb-h1", 1)]
