@@ -37,7 +37,7 @@ THREE = [stage("emu-fast", 1, 2, [0, 1]), stage("emu-mid", 2, 1, [1, 3], "select
 
 
 def train(trainer, dataset, start, n):
-    return [trainer.step(dataset.batch(k, trainer.plan.global_batch)) for k in range(start, start + n)]
+    return [trainer.step(dataset.batch(k, trainer.plan.global_batch)).loss for k in range(start, start + n)]
 
 
 def save(trainer, directory, step, keep=None):
@@ -235,3 +235,84 @@ def test_replan_keeps_the_run_and_resumes_it(straight, saved, dataset, tmp_path,
     for ex in trainer.executors.values():
         checkpoint.restore(ex)
     np.testing.assert_allclose(saved[2] + train(trainer, dataset, 3, 3), straight[0], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- failures, signals, the CLI
+
+
+def _cli(*args, env=None):
+    import subprocess
+    import sys
+
+    from tests.conftest import checkout_env
+
+    return subprocess.run([sys.executable, "-m", "h2jax", *args], capture_output=True, text=True,
+                          env=checkout_env({**os.environ, **(env or {})}), timeout=900)
+
+
+def test_kill_during_an_asynchronous_save_resumes_the_previous_checkpoint(straight, token_file, tmp_path):
+    """(c) in one process: SIGKILL while step 5 is being written; step 3 stays the newest
+    complete checkpoint and `h2jax run --resume` reproduces the straight run bit for bit."""
+    import subprocess
+    import sys
+
+    from h2jax.plan import save_plan
+    from tests.conftest import checkout_env
+
+    plan_file, directory, out = tmp_path / "plan.json", tmp_path / "ckpt", tmp_path / "losses.json"
+    save_plan(make_plan(TWO), plan_file)
+    env = checkout_env({**os.environ, "H2JAX_TEST_TOKENS": str(token_file)})
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mpi_scripts" / "checkpoint_crash.py"),
+                           str(plan_file), str(directory), str(out), "0"], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert json.loads(out.read_text()) == straight[0][:5]
+    assert (directory / "step_000005.pending").is_dir()  # the write was in flight
+    assert ckpt.complete_steps(directory) == [3]
+    proc = _cli("run", "--plan", str(plan_file), "--steps", "3", "--data", str(token_file),
+                "--checkpoint-dir", str(directory), "--resume", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
+    assert resumed == straight[0][3:]
+    assert ckpt.complete_steps(directory) == [3, 6]  # the crashed write was cleared, the end saved
+
+
+def test_sigterm_saves_the_step_and_exits_0(token_file, tmp_path):
+    """(d): SIGTERM during training: the step finishes, a checkpoint of it is committed, exit 0."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from h2jax.plan import save_plan
+    from tests.conftest import checkout_env
+
+    plan_file, directory = tmp_path / "plan.json", tmp_path / "ckpt"
+    save_plan(make_plan(TWO), plan_file)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "h2jax", "run", "--plan", str(plan_file), "--steps", "100000", "--data",
+         str(token_file), "--checkpoint-dir", str(directory), "--save-every", "2", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_env(dict(os.environ)))
+    deadline = time.monotonic() + 600  # a guard against a hang, not a measurement
+    while not ckpt.complete_steps(directory) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ckpt.complete_steps(directory), "no checkpoint appeared"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    steps = ckpt.complete_steps(directory)
+    last = ckpt.step_dir(directory, steps[-1])
+    assert f"stopped by SIGTERM after step {steps[-1]}; checkpoint of step {steps[-1]} written to {last}" in err
+    assert ckpt.open_checkpoint(directory, make_plan(TWO)).step == steps[-1]
+
+
+def test_resume_refuses_bad_input_before_compiling(tmp_path, token_file):
+    """(e) through the CLI: one line naming the file and the cause, exit status 2, no traceback."""
+    from h2jax.plan import save_plan
+
+    save_plan(make_plan(TWO), tmp_path / "plan.json")
+    (tmp_path / "empty").mkdir()
+    proc = _cli("run", "--plan", str(tmp_path / "plan.json"), "--checkpoint-dir", str(tmp_path / "empty"), "--resume")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"h2jax run: error: {tmp_path / 'empty'}: not an h2jax checkpoint directory "
+                                   "(no step_NNNNNN/ checkpoints in it)")
