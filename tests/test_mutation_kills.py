@@ -143,6 +143,39 @@ def test_kills_optim_clipped_update_keeps_the_parameters_dtype():
     np.testing.assert_array_equal(np.asarray(new["w"], np.float32), [0.5, 1.75])
 
 
+def test_kills_optim_constant_after_warmup_needs_no_length():
+    s = optim.learning_rate_schedule(Optimizer(learning_rate=1.0), Train(warmup_steps=2))  # no steps given
+    assert [optim.learning_rate_at(s, n) for n in (0, 1, 2, 50)] == [0.0, 0.5, 1.0, 1.0]
+    short = optim.learning_rate_schedule(Optimizer(learning_rate=1.0), Train(warmup_steps=4), steps=3)
+    assert optim.learning_rate_at(short, 4) == 1.0  # a constant tail has no length to be shorter than
+
+
+def test_kills_optim_make_optimizer_follows_the_plans_train_schedule():
+    """lr 0 for the first update (warm-up from 0), 0.5 for the second: SGD's updates say so."""
+    tx = optim.make_optimizer(Optimizer(name="sgd", learning_rate=1.0), Train(warmup_steps=2, decay_steps=4))
+    params, state = _params(), tx.init(_params())
+    for lr in (0.0, 0.5, 1.0):
+        updates, state = tx.update(_grads(), state, params)
+        for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(_grads())):
+            np.testing.assert_allclose(np.asarray(u), -lr * np.asarray(g), rtol=1e-6, atol=0)
+
+
+def test_kills_optim_clipped_adamw_update_in_bf16_equals_optax():
+    """bf16 parameters: gradients are cast to the parameters' dtype before the optimizer (its
+    moments stay bf16) and AdamW's weight decay sees the parameters."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+    tx = optax.adamw(0.1, weight_decay=0.5)
+    state = tx.init(params)
+    new, new_state = optim.apply_clipped_update(tx, params, state, _grads(), jnp.float32(0.7), 0.35)
+    assert [x.dtype for x in jax.tree.leaves(new_state)] == [x.dtype for x in jax.tree.leaves(state)]
+    clipped = jax.tree.map(lambda g: (g * 0.5).astype(jnp.bfloat16), _grads())
+    updates, _ = tx.update(clipped, state, params)
+    want = optax.apply_updates(params, updates)
+    for g, w in zip(jax.tree.leaves(new), jax.tree.leaves(want)):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 # ------------------------------------------------------------------------------ runtime/memory.py
 
 
