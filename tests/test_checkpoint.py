@@ -316,3 +316,56 @@ def test_resume_refuses_bad_input_before_compiling(tmp_path, token_file):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"h2jax run: error: {tmp_path / 'empty'}: not an h2jax checkpoint directory "
                                    "(no step_NNNNNN/ checkpoints in it)")
+
+
+# ----------------------------------------------------------------------------- under mpiexec
+
+MPI_WRITER = [  # stage 0 spans two processes (its own jax.distributed group): one write per shard
+    {**stage("cpu", 2, 1, [0, 2]), "processes": 2}, stage("cpu", 1, 2, [2, 4])]
+MPI_READER = [stage("emu-fast", 1, 2, [0, 1]), stage("emu-mid", 2, 1, [1, 4], "selective")]
+
+
+def _mpi_cli(n, *args, env=None):
+    import subprocess
+    import sys
+
+    from tests.conftest import TEST_XLA_FLAGS, checkout_env
+    from tests.test_mpi_transport import MPIEXEC
+
+    if not Path(MPIEXEC).exists():
+        pytest.skip("mpiexec not found (pip install mpich)")
+    full = checkout_env({**os.environ, **(env or {}), "XLA_FLAGS": TEST_XLA_FLAGS})
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], capture_output=True, text=True,
+                          env=full, timeout=900)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_under_mpi_kill_during_save_then_resume_on_the_same_and_another_plan(token_file, tmp_path):
+    """(a), (b), (c) under mpiexec: each process writes its own shards; SIGKILL of one rank
+    while step 5 is written leaves step 3 the newest; resuming on the same plan (3 processes)
+    reproduces the run bit for bit, on another plan (2 processes, other meshes and emulated chip
+    types) within rtol 1e-5."""
+    from h2jax.plan import save_plan
+
+    writer, reader = tmp_path / "writer.json", tmp_path / "reader.json"
+    save_plan(make_plan(MPI_WRITER), writer)
+    save_plan(make_plan(MPI_READER, schedule="gpipe"), reader)
+    directory, out = tmp_path / "ckpt", tmp_path / "losses.json"
+    proc = _mpi_cli(3, str(ROOT / "tests" / "mpi_scripts" / "checkpoint_crash.py"), str(writer), str(directory),
+                    str(out), "2", env={"H2JAX_TEST_TOKENS": str(token_file)})
+    assert proc.returncode != 0 and "unreachable" not in proc.stderr, proc.stderr[-3000:]
+    straight = json.loads(out.read_text())
+    assert len(straight) == 5 and ckpt.complete_steps(directory) == [3]
+    items = sorted(p.name for p in ckpt.step_dir(directory, 3).iterdir() if p.is_dir())
+    assert items == ["layers_000-001", "layers_002-003"]  # one item per stage, by its layers
+
+    resume = ["-m", "h2jax", "run", "--steps", "2", "--data", str(token_file), "--checkpoint-dir",
+              str(directory), "--resume", "3", "--json"]
+    proc = _mpi_cli(3, *resume[:3], "--plan", str(writer), *resume[3:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["losses"] == straight[3:5]
+
+    proc = _mpi_cli(2, *resume[:3], "--plan", str(reader), *resume[3:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(json.loads(proc.stdout.strip().splitlines()[-1])["losses"], straight[3:5], rtol=1e-5)
