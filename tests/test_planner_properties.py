@@ -91,6 +91,7 @@ def check_well_formed(cand, cluster, kwargs):
     assert all(cand.micro_batch % o.data == 0 for o in cand.options)
 
 
+@pytest.mark.slow
 @settings(max_examples=160, **SETTINGS)
 @given(cluster=any_cluster, kwargs=search_args)
 def test_fast_search_equals_exhaustive_on_random_clusters(cluster, kwargs):
@@ -118,6 +119,7 @@ def more_chips(cluster, index, extra):
     return Cluster(tuple(groups), cluster.name)
 
 
+@pytest.mark.slow
 @settings(max_examples=80, **SETTINGS)
 @given(cluster=any_cluster, kwargs=search_args, factor=st.sampled_from([2.0, 10.0]))
 def test_more_memory_everywhere_is_never_slower(cluster, kwargs, factor):
@@ -130,6 +132,7 @@ def test_more_memory_everywhere_is_never_slower(cluster, kwargs, factor):
     assert after.time_s <= before.time_s * (1 + 1e-9)
 
 
+@pytest.mark.slow
 @settings(max_examples=80, **SETTINGS)
 @given(cluster=any_cluster, kwargs=search_args, data=st.data())
 def test_more_chips_of_a_type_is_never_slower(cluster, kwargs, data):
