@@ -81,6 +81,16 @@ RUNS = {
     "h2jax align --chips cpu,cpu-bf16 --steps 300": "h2jax align --chips cpu,cpu-bf16 --steps 10",
     "python examples/mixed_gpu_cpu.py": None,
     "bash benchmarks/gpu_check.sh": Skip("needs a GPU"),
+    "h2jax run --plan plans/demo.json --steps 200 --checkpoint-dir ckpt --save-every 50 --keep 2":
+        "h2jax run --plan plans/demo.json --steps 4 --checkpoint-dir ckpt --save-every 2 --keep 2",
+    "h2jax run --plan plans/demo.json --steps 63 --checkpoint-dir ckpt --resume":
+        "h2jax run --plan plans/demo.json --steps 2 --checkpoint-dir ckpt --resume",
+    "h2jax replan --checkpoint ckpt --cluster plans/cluster-emu-2type.toml --out new.json": None,
+    "h2jax run --plan new.json --steps 63 --checkpoint-dir ckpt --resume":
+        "h2jax run --plan new.json --steps 2 --checkpoint-dir ckpt --resume",
+    "mpiexec -n 3 h2jax run --plan plans/demo.json --steps 63 --checkpoint-dir ckpt --resume":
+        "mpiexec -n 3 h2jax run --plan plans/demo.json --steps 2 --checkpoint-dir ckpt --resume",
+    "python benchmarks/checkpoint.py": Skip("a measurement (prints one JSON object); run by hand"),
     'pip install -e ".[mutation]"': Skip("installs the mutation-testing tool"),
     "nice -n 19 python benchmarks/mutation.py --modules memory,optim --survivors survivors.json":
         Skip("a mutation score: hours of test runs; run by hand"),
