@@ -268,18 +268,11 @@ class Trainer:
         checkpoint format of h2jax.runtime.checkpoint; every process calls it) and wait until
         it is committed; returns its path. `dataset` records which data (and tokenizer) it
         trained on, so that `restore` can refuse data made with another tokenizer."""
-        from h2jax.runtime.checkpoint import CheckpointWriter, LocalWorld, TransportWorld, checkpoint_meta
+        from h2jax.runtime.checkpoint import RunCheckpoints
 
-        where = getattr(dataset, "directory", getattr(dataset, "path", None))
-        meta = checkpoint_meta(self.plan, self.step_count, data_path=None if where is None else str(where))
-        meta["data"]["tokenizer_sha256"] = getattr(dataset, "tokenizer_sha256", None)
-        world = (LocalWorld() if self.role is None
-                 else TransportWorld(self.transport, self.executors, self.plan.n_stages))
-        writer = CheckpointWriter(directory, world=world)
-        writer.save(self.step_count, self.executors, meta)
-        path = writer.wait()
-        writer.close()
-        writer.world.all_done(True)  # collective: no process goes on before the commit
+        checkpoints = RunCheckpoints(self, directory, dataset=dataset)  # the same writer as `h2jax run`'s
+        path = checkpoints.finish(self.step_count)
+        checkpoints.writer.world.all_done(True)  # collective: no process goes on before the commit
         return path
 
     def restore(self, directory, step: int | None = None, *, dataset=None) -> dict:
