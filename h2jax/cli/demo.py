@@ -2,7 +2,8 @@
 EMULATED chip types (fast with little memory, in between, slow with much memory; all on this
 machine's CPU backend) is profiled, planned with HeteroAuto, trained with a progress bar, and
 reported: predicted against measured step time, and the HeteroSpeedupRatio measured against
-the same chips run homogeneously (each type alone, planned alone) at the same global batch."""
+the same chips run homogeneously (each type alone, planned alone) at the same global batch.
+It ends by resuming the mixed run's checkpoint on another plan (a chip type alone)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,24 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def resume_elsewhere(console, plan, measured: dict, checkpoints, bars: bool, start: int) -> dict | None:
+    """5. The mixed run's checkpoint resumed on another plan (a chip type alone): each stage
+    reads its own layers from the checkpoint, re-sharded onto its mesh."""
+    from h2jax.runtime.train import run
+
+    other = next((b.plan for b in measured.values() if b.plan is not None and b.plan.stages != plan.stages), None)
+    if other is None:
+        return None
+    t0 = time.perf_counter()
+    console.print(f"5. Resuming the checkpoint on another plan: {other.stages[0].chip} alone, "
+                  f"{count(other.n_stages, 'stage')} (h2jax run --checkpoint-dir ... --resume)...")
+    with training_progress(2, other.tokens_per_step, other.n_devices, enabled=bars, label="resumed") as on_step:
+        resumed = run(other, 2, on_step=on_step, checkpoint_dir=str(checkpoints), resume=True)
+    console.print(f"   steps {start + 1}-{start + 2} after the mixed plan's step {start}: loss "
+                  f"{resumed.losses[0]:.3f} -> {resumed.losses[-1]:.3f} ({time.perf_counter() - t0:.1f} s)")
+    return {"plan": other.to_dict(), "losses": resumed.losses, "seconds": time.perf_counter() - t0}
+
+
 def chips_used(plan) -> dict[str, int]:
     """Chip type -> chips the plan's stages run on."""
     used: dict[str, int] = {}
@@ -75,6 +94,9 @@ def main(args: argparse.Namespace) -> int:
     console = make_console(stderr=args.json)
     bars = not args.json
     t_start = time.perf_counter()
+    import tempfile
+
+    checkpoints = Path(tempfile.mkdtemp(prefix="h2jax-demo-checkpoints-"))
     cluster = load_cluster(args.cluster)
     force_cpu_devices(cluster.n_chips)
     # XLA's CPU compile dominates a short run; compile fast and keep what was compiled.
@@ -127,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             with training_progress(args.steps, plan.tokens_per_step, plan.n_devices, enabled=bars,
                                    label="mixed") as on_step:
-                mixed = run(plan, args.steps, on_step=on_step)
+                mixed = run(plan, args.steps, on_step=on_step, checkpoint_dir=str(checkpoints))
             break
         except StageMemoryError as e:
             if attempt == MAX_REPLANS:
@@ -138,7 +160,8 @@ def main(args: argparse.Namespace) -> int:
             console.print(f"   [yellow]refused before running[/]: stages[{e.stage}] needs {e.needed_bytes:,} B on "
                           f"{e.chip} ({e.capacity_bytes:,} B); re-planning with {e.chip}'s memory x "
                           f"{e.capacity_bytes / e.needed_bytes:.3f}")
-    console.print(f"   loss {mixed.losses[0]:.3f} -> {mixed.losses[-1]:.3f} ({time.perf_counter() - t_start:.0f} s)")
+    console.print(f"   loss {mixed.losses[0]:.3f} -> {mixed.losses[-1]:.3f}; checkpoint of step {args.steps} in "
+                  f"{mixed.checkpoint} ({time.perf_counter() - t_start:.0f} s)")
     used = chips_used(plan)
     idle = {c: n - used.get(c, 0) for c, n in cluster.counts.items() if n > used.get(c, 0)}
     if idle:
@@ -184,6 +207,10 @@ def main(args: argparse.Namespace) -> int:
         + ("n/a (no chip type trains the model alone)" if ratio is None else f"[bold]{ratio:.3f}[/]")
         + ("" if predicted_ratio is None else f"  (predicted {predicted_ratio:.3f})")
     )
+    resumed = resume_elsewhere(console, plan, measured, checkpoints, bars, args.steps)
+    import shutil
+
+    shutil.rmtree(checkpoints, ignore_errors=True)  # a temporary directory: the demo leaves nothing behind
     if emulated:
         console.print("[yellow]All figures are from EMULATED chips on this machine's CPU.[/]")
     console.print(f"demo finished in {time.perf_counter() - t_start:.0f} s")
@@ -202,6 +229,7 @@ def main(args: argparse.Namespace) -> int:
                               "tokens_per_chip_per_s": b.tgs, "reason": b.reason}
                           for n, b in measured.items()},
             "hetero_speedup_ratio": ratio, "hetero_speedup_ratio_predicted": predicted_ratio,
+            "resumed_on_another_plan": resumed,
         }))
     if not mixed.losses[-1] < mixed.losses[0]:
         console.print("[red]the loss did not fall[/]")
