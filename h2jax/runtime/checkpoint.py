@@ -20,12 +20,13 @@ Atomic: every process writes its item into `step_N.pending/` (orbax: each proces
 writes only its own shards, once per shard); when every stage reports its item finished, the
 primary process writes checkpoint.json and renames the directory to `step_N` -- one rename, so
 a checkpoint is visible only when complete and a crash mid-write leaves the previous one
-intact. Asynchronous: `save` returns once the arrays are copied off the devices; the files are
-written in background threads while training goes on.
+intact. Asynchronous: `save` returns once the state is copied on its devices (one compiled
+program: the next update donates the live buffers); orbax copies it to the host and writes the
+files in a background thread while training goes on.
 
 Everything a resume needs is checked by `open_checkpoint` before any stage compiles: the
 format, the model config, the data settings, that each needed item exists, and the size and
-CRC-32 of every file the process will read. Any failure is one `CheckpointError` that names
+CRC-32 of every file of the items the process will read. Any failure is one `CheckpointError` that names
 the file and the cause.
 """
 
@@ -302,8 +303,8 @@ class CheckpointWriter:
         return None if self._pending is None else self._pending[0]
 
     def save(self, step: int, executors: Mapping[int, Any], meta: dict) -> None:
-        """Start writing checkpoint `step` of `executors`' state (returns once the arrays are
-        off the devices). `meta` (see checkpoint_meta) is written by the primary process."""
+        """Start writing checkpoint `step` of `executors`' state (returns once it is
+        snapshotted on the devices). `meta` (see checkpoint_meta) is written by the primary."""
         self.wait()  # one checkpoint in flight at a time
         if not executors:
             raise ValueError("nothing to save: no stages")
