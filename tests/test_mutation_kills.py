@@ -124,11 +124,17 @@ def test_kills_optim_clip_at_exactly_the_limit_and_squared_norm_by_hand():
     g = {"a": jnp.asarray([3.0, 4.0], jnp.float32), "b": jnp.asarray([[12.0]], jnp.bfloat16)}
     assert float(optim.squared_norm(g)) == 9.0 + 16.0 + 144.0
     norm = jnp.float32(13.0)
-    # norm == max_norm: clipped (by max_norm / norm, which rounds), bit for bit as optax does it
-    at_limit = optim.clip({"a": g["a"]}, jnp.float32(5.0), 5.0)
-    tx = optax.clip_by_global_norm(5.0)
-    want, _ = tx.update({"a": g["a"]}, tx.init({"a": g["a"]}))
-    np.testing.assert_array_equal(np.asarray(at_limit["a"]), np.asarray(want["a"]))
+    # norm == max_norm: clipped (g / 13 * 13 rounds: 3 -> 3.0000002), bit for bit as optax does it
+    f32 = {"a": g["a"], "b": g["b"].astype(jnp.float32)}
+    at_limit = optim.clip(f32, norm, 13.0)
+    tx = optax.clip_by_global_norm(13.0)
+    want, _ = tx.update(f32, tx.init(f32))
+    for got, w in zip(jax.tree.leaves(at_limit), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    assert float(at_limit["a"][0]) != 3.0  # the case where clipping at the limit is visible
+    # squares summed in f32 even for bf16 gradients: bf16(1.1)^2 in f32 is not representable in bf16
+    x = jnp.asarray([1.1], jnp.bfloat16)
+    assert float(optim.squared_norm({"x": x})) == float(np.float32(np.asarray(x, np.float32)[0]) ** 2)
     halved = optim.clip(g, norm, 6.5)
     np.testing.assert_allclose(np.asarray(halved["a"]), [1.5, 2.0], rtol=1e-6)
     assert halved["b"].dtype == jnp.bfloat16 and float(halved["b"][0, 0]) == 6.0
@@ -141,6 +147,12 @@ def test_kills_optim_clipped_update_keeps_the_parameters_dtype():
     new, _ = optim.apply_clipped_update(tx, params, tx.init(params), grads, jnp.float32(0.559), None)
     assert new["w"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(new["w"], np.float32), [0.5, 1.75])
+
+
+def test_kills_optim_one_warmup_step_starts_from_zero():
+    s = optim.learning_rate_schedule(Optimizer(learning_rate=2.0), Train(lr_schedule="linear", warmup_steps=1,
+                                                                          final_lr_fraction=0.0), steps=5)
+    assert [optim.learning_rate_at(s, n) for n in range(6)] == pytest.approx([0.0, 2.0, 1.5, 1.0, 0.5, 0.0])
 
 
 def test_kills_optim_constant_after_warmup_needs_no_length():
