@@ -72,8 +72,9 @@ def study(model: str, seq_len: int, clusters=CLUSTERS, time_limit_s: float | Non
                 else bool((mixed.plan.predicted or {}).get("proved_optimal")),
                 "seconds": time.perf_counter() - t0,
             })
-            print(f"{cluster.name} {m}M: honest {c.ratio_same_batch:.3f}, paper method "
-                  f"{c.ratio_fixed_batch:.3f} ({rows[-1]['seconds']:.1f} s)", flush=True)
+            ratio = lambda r: "n/a (no mixed plan in the time limit)" if r is None else f"{r:.3f}"  # noqa: E731
+            print(f"{cluster.name} {m}M: honest {ratio(c.ratio_same_batch)}, paper method "
+                  f"{ratio(c.ratio_fixed_batch)} ({rows[-1]['seconds']:.1f} s)", flush=True)
     return rows
 
 
@@ -120,8 +121,9 @@ def plot(rows: list[dict], out: Path, model: str) -> None:
     for color, name in zip(colors, dict.fromkeys(r["cluster"] for r in rows)):
         rs = [r for r in rows if r["cluster"] == name]
         x = [int(r["batch_tokens"][:-1]) for r in rs]
-        honest = [r["ratio_honest"] for r in rs]
-        paper = [r["ratio_paper_method"] for r in rs]
+        # NaN where no mixed plan was found in the time limit: a gap in the curve, not a crash
+        honest = [float("nan") if r["ratio_honest"] is None else r["ratio_honest"] for r in rs]
+        paper = [float("nan") if r["ratio_paper_method"] is None else r["ratio_paper_method"] for r in rs]
         ax.plot(x, paper, "--o", color=color, label=f"{name}: paper's method (baselines @{BASELINE_M}M)")
         ax.plot(x, honest, "-s", color=color, label=f"{name}: same global batch (honest)")
         ax.fill_between(x, honest, paper, color=color, alpha=0.12)
