@@ -700,3 +700,51 @@ def test_kills_schedule_variants_for_the_planner():
     assert sch.variants("interleaved-1f1b") == [("interleaved-1f1b", 2), ("interleaved-1f1b", 4)]
     assert sch.variants() == [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
                               ("zb-h1", 1)]
+
+
+def test_kills_schedule_closed_form_defaults_and_weight_terms_by_hand():
+    chunked = sch.ClosedForm(fill=(1, 1, 0), fill_last=(0.5, 1, 0), steady=((1, 1, 0),), chunked=True)
+    # one chunk unless told: v = 1
+    assert chunked.steady_weight(4) == 3.0 and chunked.fill_scale() == 1.0 and chunked.send_factor() == 1.0
+    assert chunked.fill_coefficients(3).tolist() == [[1, 1, 0], [1, 1, 0], [0.5, 1, 0]]  # the last row, as given
+    assert chunked.pipeline_time([1.0], [2.0], [0.0], 0.0, 0.0, 4) == pytest.approx(0.5 + 2 + 3 * 3)
+    assert sch.get_schedule("1f1b").closed_form.steady_weight(4, 2) == 3.0  # not chunked: m - 1 whatever v
+    # a form with weight-gradient terms (split backward): fill and steady both count w
+    split = sch.ClosedForm(fill=(1, 1, 1), fill_last=(1, 1, 1), steady=((1, 0, 2),))
+    f, b, w = [1.0, 2.0], [3.0, 1.0], [0.5, 2.0]
+    assert split.pipeline_time(f, b, w, 0.0, 0.0, 3) == pytest.approx((1 + 3 + 0.5 + 2 + 1 + 2) + 2 * max(2, 6))
+    # send-bound chunked steady state: each micro-batch crosses each link v times
+    plain = sch.ClosedForm(fill=(1, 1, 0), fill_last=(1, 1, 0), steady=((1, 1, 0),), chunked=True)
+    assert plain.pipeline_time([1.0], [2.0], [0.0], 0.0, 4.0, 4, 2) == pytest.approx(1.5 + 3.5 * 8)
+    # vectorised over layer splits: one row each, the max over stages per row
+    rows = plain.pipeline_time([[1.0, 2.0], [3.0, 1.0]], [[1.0, 1.0], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]],
+                               0.0, 0.0, 2)
+    assert rows.tolist() == pytest.approx([5 + 3, 6 + 4])
+    assert sch.bubble_fraction([0.25, 0.25], 0.5) == 0.5
+
+
+def test_kills_schedule_interleaved_in_flight_by_hand():
+    """Megatron's warm-up: 2 (p - i - 1) + (v - 1) p forwards, then one more in flight, at most m v."""
+    s = sch.get_schedule("interleaved-1f1b")
+    assert [s.in_flight(i, 4, 8) for i in range(4)] == [2 * (4 - i - 1) + 4 + 1 for i in range(4)]  # v = 2
+    assert s.in_flight(0, 4, 4, 2) == 8 and s.in_flight(1, 2, 4, 3) == 2 * 0 + 2 * 2 + 1
+
+
+def test_kills_schedule_order_checks_for_split_backwards_and_long_lists():
+    with pytest.raises(ValueError) as e:
+        sch.check_order([(sch.F, 0, 0), (sch.F, 1, 0), (sch.B, 0, 0), (sch.B, 1, 0), (sch.W, 0, 0)], 2)
+    assert str(e.value) == "stage 0: W runs [(0, 0)]..., expected every micro-batch 0..1 x chunk 0..0 once"
+    order = [(sch.F, k, 0) for k in range(11)] + [(sch.B, k, 0) for k in range(12)]
+    with pytest.raises(ValueError) as e:
+        sch.check_order(order, 12)
+    assert str(e.value).startswith("stage 0: F runs [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (7, 0)]...")
+
+
+def test_kills_planner_cost_virtual_stages_of_a_plan():
+    assert cm.virtual_stages(types.SimpleNamespace(virtual_stages=2)) == 2
+    assert cm.virtual_stages(types.SimpleNamespace()) == 1
+
+
+def test_kills_planner_memory_breakdown_of_deferred_gradients_scales_with_layers():
+    t = _terms(deferred=2)
+    assert t.breakdown(3)["deferred_weight_gradients"] == pytest.approx(2 * 512 * 3 / _GIB)
