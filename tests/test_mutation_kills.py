@@ -748,3 +748,27 @@ def test_kills_planner_cost_virtual_stages_of_a_plan():
 def test_kills_planner_memory_breakdown_of_deferred_gradients_scales_with_layers():
     t = _terms(deferred=2)
     assert t.breakdown(3)["deferred_weight_gradients"] == pytest.approx(2 * 512 * 3 / _GIB)
+
+
+def test_kills_planner_cost_chips_from_the_plan_and_bubble_by_hand():
+    from h2jax.cluster import load_chip
+
+    plan = _plan()
+    assert cm.chips_by_name(None, plan) == {"cpu": load_chip("cpu")}
+    assert cm.chips_by_name(None) == {}
+    (terms,) = cm.plan_stage_terms(plan, None)  # chip types read from backends/ by the plan's names
+    assert terms.mem.capacity == load_chip("cpu").usable_memory_gib * 2**30
+    # uniform stages, 1F1B by default: (p - 1) / (m + p - 1)
+    costs = [_cost(1.0, 2.0), _cost(1.0, 2.0), _cost(1.0, 2.0)]
+    assert cm.bubble_fraction(costs, 5) == pytest.approx(2 / 7)
+    # interleaved: v reaches the closed form (1/v of the fill)
+    form = sch.get_schedule("interleaved-1f1b").closed_form
+    t_pipe = form.pipeline_time([1.0] * 3, [2.0] * 3, [1.0] * 3, 0.0, 0.0, 6, 2)
+    assert cm.bubble_fraction(costs, 6, "interleaved-1f1b", 2) == pytest.approx(1 - 3 * 6 * 3 / (3 * t_pipe))
+    assert cm.bubble_fraction(costs, 6, "interleaved-1f1b", 2) < cm.bubble_fraction(costs, 6, "1f1b")
+
+
+def test_kills_schedule_interleaved_order_defaults_to_two_chunks():
+    s = sch.get_schedule("interleaved-1f1b")
+    assert s.order(0, 2, 2) == s.order(0, 2, 2, 2)
+    assert sorted({c for _, _, c in s.order(1, 2, 4)}) == [0, 1]
