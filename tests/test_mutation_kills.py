@@ -772,3 +772,21 @@ def test_kills_schedule_interleaved_order_defaults_to_two_chunks():
     s = sch.get_schedule("interleaved-1f1b")
     assert s.order(0, 2, 2) == s.order(0, 2, 2, 2)
     assert sorted({c for _, _, c in s.order(1, 2, 4)}) == [0, 1]
+
+
+def test_kills_planner_cost_plan_stage_terms_hold_the_schedules_micro_batches():
+    raw = {"format_version": 1, "model": "tiny", "seq_len": 16, "global_batch": 8, "micro_batch": 2,
+           "stages": [{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [0, 1]},
+                      {"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [1, 2]},
+                      {"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [2, 4]}]}
+    one = plan_from_dict({**raw, "schedule": "1f1b"})
+    assert [t.mem.in_flight for t in cm.plan_stage_terms(one, None)] == [3, 2, 1]  # p - i of m = 4
+    gp = plan_from_dict({**raw, "schedule": "gpipe"})
+    assert [t.mem.in_flight for t in cm.plan_stage_terms(gp, None)] == [4, 4, 4]
+    other = ChipType("other", "cpu", 1.0, 1.0, 2, 10.0, 1.0, "t")
+    with pytest.raises(mem.ConfigError) as e:
+        cm.plan_stage_terms(one, {"other": other, "more": other})
+    assert str(e.value) == "stages[0].chip 'cpu' is not in the cluster; it has other, more"
+    with pytest.raises(mem.ConfigError) as e:
+        cm.plan_stage_terms(one, {})
+    assert str(e.value) == "stages[0].chip 'cpu' is not in the cluster; it has (none)"
