@@ -234,13 +234,24 @@ class TransportWorld:
         return done >= self.n_stages
 
 
+def _processes():
+    """orbax's options naming every process of this JAX world: its barriers then go through
+    the jax.distributed client. By default it would run them as JAX collectives over the
+    devices, which from the writing thread could interleave with the training step's own
+    collectives (gloo on CPU refuses the mismatch)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count())))
+
+
 def _handler():
     import orbax.checkpoint as ocp
 
     # OCDBT: the arrays of an item go into a few large files (one zarr directory per array
     # made ~40x more files and was slower to write and read); each array is still its own
     # key, so a stage reads only its groups. No compression: parameters do not compress.
-    return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False)
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
+                                       multiprocessing_options=_processes())
 
 
 class _ItemWrite:
@@ -261,7 +272,7 @@ class _ItemWrite:
         try:
             import orbax.checkpoint as ocp
 
-            checkpointer = ocp.AsyncCheckpointer(_handler())
+            checkpointer = ocp.AsyncCheckpointer(_handler(), multiprocessing_options=_processes())
             try:
                 checkpointer.save(self.path, args=ocp.args.PyTreeSave(tree), force=True)
                 checkpointer.wait_until_finished()
@@ -317,8 +328,9 @@ class CheckpointWriter:
         pending = self.directory / (step_dir(self.directory, step).name + PENDING)
         pending.mkdir(parents=True, exist_ok=True)
         snapshot: dict = {}
-        for i in mine:
-            snapshot.update(self._snapshot(executors[i]))
+        for i in mine:  # every layer chunk of an interleaved stage
+            for ex in getattr(executors[i], "chunks", None) or [executors[i]]:
+                snapshot.update(self._snapshot(ex))
         leader = all(ex.is_stage_leader for ex in executors.values())
         self._pending = (step, meta, [_ItemWrite(pending, item_name(plan, mine), snapshot, leader)])
 
@@ -417,10 +429,10 @@ def stage_groups(plan: Plan, stage: int) -> list[str]:
     """The global group names stage `stage` of `plan` holds, as its parameter tree keys."""
     from h2jax.model import layer_name
 
-    start, end = plan.stages[stage].layers
-    out = ["embed"] if start == 0 else []
-    out += [layer_name(i) for i in range(start, end)]
-    if end == plan.model.n_layers:
+    ranges = plan.stages[stage].layer_ranges  # every layer chunk under interleaved 1F1B
+    out = ["embed"] if ranges[0][0] == 0 and stage == 0 else []
+    out += [layer_name(i) for start, end in ranges for i in range(start, end)]
+    if ranges[-1][1] == plan.model.n_layers and stage == plan.n_stages - 1:
         out.append("head")
     return out
 
@@ -459,8 +471,14 @@ class Checkpoint:
         return plan_from_dict(self.meta["plan"])
 
     def restore(self, executor) -> None:
-        """Load `executor`'s groups onto its shardings: its parameters and optimizer state."""
+        """Load `executor`'s groups onto its shardings: its parameters and optimizer state
+        (each chunk's, for an interleaved stage)."""
         import orbax.checkpoint as ocp
+
+        for chunk in getattr(executor, "chunks", None) or []:
+            self.restore(chunk)
+        if getattr(executor, "chunks", None):
+            return
 
         abstract_params, abstract_opt, _ = executor._abstract_state
         wanted = group_trees(abstract_params, abstract_opt)
@@ -468,7 +486,7 @@ class Checkpoint:
         for g, tree in wanted.items():
             by_item.setdefault(self.meta["groups"][g], {})[g] = tree
         loaded: dict[str, dict] = {}
-        checkpointer = ocp.Checkpointer(_handler())
+        checkpointer = ocp.Checkpointer(_handler(), multiprocessing_options=_processes())
         for item, item_tree in sorted(by_item.items()):
             path = self.path.absolute() / item
             try:
