@@ -790,3 +790,23 @@ def test_kills_planner_cost_plan_stage_terms_hold_the_schedules_micro_batches():
     with pytest.raises(mem.ConfigError) as e:
         cm.plan_stage_terms(one, {})
     assert str(e.value) == "stages[0].chip 'cpu' is not in the cluster; it has (none)"
+
+
+def test_kills_last_survivors_by_hand():
+    # max_layers rounds 0.3 / 0.1 = 2.9999999999999996 up to the 3 layers that fit
+    t = mm.StageMemoryTerms(layer_static=0.1, layer_activation=0.0, in_flight=0.0, params_end=0.0, working=0.0,
+                            reserve=0.0, capacity=0.3)
+    assert t.max_layers() == 3
+    # the numpy executor keeps the array's dtype
+    src, dst = rs.Layout(1, 1), rs.Layout(1, 2)
+    x = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
+    out = rs.apply_local(rs.reshard_plan(src, dst, x.shape, 2), src, dst, {0: x}, x.shape, x.dtype)
+    assert out[0].dtype == np.int16 and out[1].dtype == np.int16
+    # a one-chunk schedule checks one chunk unless told; interleaved memory is in whole-stage units
+    sch.get_schedule("1f1b").check(2, 2)
+    assert sch.get_schedule("interleaved-1f1b").memory_in_flight(0, 4, 8, 2) == 11 / 2
+    # a deadlock after one stage has finished names only the waiting stage
+    A = sch.Action
+    with pytest.raises(RuntimeError) as e:
+        sch.execution_order([[A(sch.F, 0)], [A(sch.RECV_ACT, 0), A(sch.F, 0)]])
+    assert str(e.value) == "schedule deadlocks; stages wait at {1: RECV_ACT0}"
