@@ -93,6 +93,25 @@ def alignment_plan(chip: str, model="tiny", seq_len: int = 32, batch: int = 8,
     return plan
 
 
+def _train_curve(plan: Plan, steps: int, dataset, callback) -> list[float]:
+    """The loss of each step; a run the runtime stops on a non-finite loss (a precision
+    policy that diverges) keeps its curve, NaN from the step that diverged on."""
+    from h2jax.runtime.pipeline import NonFiniteLossError
+    from h2jax.runtime.train import run
+
+    seen: list[float] = []
+
+    def record(step: int, loss: float, seconds: float) -> None:
+        seen.append(loss)
+        if callback is not None:
+            callback(step, loss, seconds)
+
+    try:
+        return run(plan, steps, dataset=dataset, on_step=record, emulate_time=False).losses
+    except NonFiniteLossError:
+        return seen + [float("nan")] * (steps - len(seen))
+
+
 def align(
     chips: Sequence[str],
     steps: int = 300,
@@ -107,7 +126,7 @@ def align(
 ) -> AlignResult:
     """Train one plan per chip type on identical data; compare each loss curve with the first."""
     from h2jax.backends import select_platforms
-    from h2jax.runtime.train import default_dataset, run
+    from h2jax.runtime.train import default_dataset
 
     if len(chips) < 2:
         raise ConfigError("--chips needs at least two chip types: the first is the reference")
@@ -116,10 +135,8 @@ def align(
     plans = {c: alignment_plan(c, model, seq_len, batch, learning_rate, seed) for c in chips}
     select_platforms(chips)  # every platform, before the first run initializes JAX
     dataset = dataset or default_dataset(plans[chips[0]])
-    losses = {}
-    for c, plan in plans.items():
-        callback = on_step(c) if on_step is not None else None
-        losses[c] = run(plan, steps, dataset=dataset, on_step=callback, emulate_time=False).losses
+    losses = {c: _train_curve(plan, steps, dataset, on_step(c) if on_step is not None else None)
+              for c, plan in plans.items()}
     ref = chips[0]
     errors = [curve_error(c, losses[c], losses[ref]) for c in chips[1:]]
     return AlignResult(ref, losses, errors)
