@@ -810,3 +810,15 @@ def test_kills_last_survivors_by_hand():
     with pytest.raises(RuntimeError) as e:
         sch.execution_order([[A(sch.F, 0)], [A(sch.RECV_ACT, 0), A(sch.F, 0)]])
     assert str(e.value) == "schedule deadlocks; stages wait at {1: RECV_ACT0}"
+
+
+def test_kills_reshard_least_loaded_replica_first_and_owners():
+    """Three replicas, three receiving blocks each cut in two: the pieces go to the least-loaded
+    replicas (ties: lowest position), so the senders rotate 0,1 / 2,0 / 1,2."""
+    src = rs.Layout(1, 3, spec=(None, None, None), owners=("r0", "r1", "r2"))
+    dst = rs.Layout(3, 1, owners=("d0", "d1", "d2"))
+    plan = rs.reshard_plan(src, dst, (3, 2, 1), 4)
+    assert [t.src_pos for t in plan] == [0, 1, 2, 0, 1, 2]
+    assert [(t.src, t.dst) for t in plan] == [("r0", "d0"), ("r1", "d0"), ("r2", "d1"), ("r0", "d1"),
+                                              ("r1", "d2"), ("r2", "d2")]
+    assert rs._split((slice(2, 3), slice(0, 1)), 5) == [(slice(2, 3), slice(0, 1))]  # one element: one piece
