@@ -1,5 +1,6 @@
 """The real pipeline under `mpiexec` equals the single-process run with the local transport:
-same losses, grad norms and final parameters (f32, rtol 1e-5), under GPipe, 1F1B and ZB-H1, with
+same losses, grad norms and final parameters (f32, rtol 1e-5), under GPipe, 1F1B, ZB-H1 and
+interleaved 1F1B (two layer chunks per stage, 2 and 4 stages), with
 stage meshes that differ and a stage that spans two processes.
 
 SGD with active clipping, as in test_pipeline.py: each MPI rank's CPU backend has fewer
@@ -26,12 +27,19 @@ CLIP = 0.3  # below the gradient norm, so the cross-stage norm reduction matters
 
 
 def _plan(stages, schedule):
+    """stages: ((data, tensor), layers, processes[, recompute]); layers a list of [start, end)
+    chunks makes an interleaved plan (virtual_stages = their number)."""
+    chunked = isinstance(stages[0][1][0], (list, tuple))
+    n_layers = max(r[-1] for _, layers, *_ in stages for r in (layers if chunked else [layers]))
     return plan_from_dict({
-        "format_version": 1, "model": MODEL, "seq_len": 16, "global_batch": 8, "micro_batch": 2,
-        "schedule": schedule, "optimizer": {"name": "sgd", "learning_rate": 0.5, "clip_norm": CLIP},
+        "format_version": 1, "model": {**MODEL, "n_layers": n_layers}, "seq_len": 16, "global_batch": 8,
+        "micro_batch": 2, "schedule": schedule,
+        "optimizer": {"name": "sgd", "learning_rate": 0.5, "clip_norm": CLIP},
+        **({"virtual_stages": len(stages[0][1])} if chunked else {}),
         "stages": [
-            {"chip": "cpu", "mesh": {"data": d, "tensor": t}, "layers": list(layers), "processes": p}
-            for (d, t), layers, p in stages
+            {"chip": "cpu", "mesh": {"data": d, "tensor": t}, "processes": p, "recompute": (rest or ["none"])[0],
+             "layers": [list(c) for c in layers] if chunked else list(layers)}
+            for (d, t), layers, p, *rest in stages
         ],
     })
 
@@ -58,7 +66,7 @@ def _check_mpi_equals_local(tmp_path, stages, schedules, reference_schedule=None
     for plan, name in zip(plans, schedules):
         save_plan(plan, tmp_path / f"{name}.json")
         files.append(str(tmp_path / f"{name}.json"))
-    n = sum(p for _, _, p in stages)
+    n = sum(s[2] for s in stages)
     proc, _ = mpiexec(n, "train_plans.py", str(tmp_path / "out"), str(STEPS), "auto", *files, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for i, plan in enumerate(plans):
@@ -100,3 +108,21 @@ def test_four_processes_four_stages(tmp_path):
     # Both schedules against the local 1F1B run: the runtime accumulates micro-batches in
     # the same order under both (the two-process test checks each against its own run).
     _check_mpi_equals_local(tmp_path, stages, ["1f1b", "gpipe", "zb-h1"], reference_schedule="1f1b")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_interleaved_two_processes_two_stages(tmp_path):
+    # Interleaved 1F1B, two chunks per stage: messages cross virtual boundaries, the last
+    # stage's first chunk sends back to stage 0's second chunk. Meshes data 2 / tensor 2,
+    # recompute full on one stage.
+    stages = [((2, 1), ((0, 1), (2, 3)), 1, "full"), ((1, 2), ((1, 2), (3, 4)), 1)]
+    _check_mpi_equals_local(tmp_path, stages, ["interleaved-1f1b"])
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_interleaved_four_processes_four_stages(tmp_path):
+    stages = [((1, 1), ((0, 1), (4, 5)), 1), ((2, 1), ((1, 2), (5, 6)), 1, "selective"),
+              ((1, 2), ((2, 3), (6, 7)), 1), ((1, 1), ((3, 4), (7, 8)), 1)]
+    _check_mpi_equals_local(tmp_path, stages, ["interleaved-1f1b"])

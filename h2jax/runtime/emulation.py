@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 
 import jax
 
-from h2jax.transport.base import Tag, Transport
+from h2jax.transport.base import Tag, Transport, endpoints
 
 
 def sleep_until(t: float) -> None:
@@ -76,13 +76,19 @@ class ClockedTransport(Transport):
     def __init__(self, inner: Transport, clocks: Mapping[int, StageClock]):
         self.inner, self.clocks = inner, dict(clocks)
         self._sent_at: dict[Tag, float] = {}
+        self._boundaries = None
 
-    def connect(self, boundary_shape, dtype, layouts) -> None:
-        self.inner.connect(boundary_shape, dtype, layouts)
+    def connect(self, boundary_shape, dtype, layouts, boundaries=None) -> None:
+        self._boundaries = None if boundaries is None else dict(boundaries)
+        if boundaries is None:
+            self.inner.connect(boundary_shape, dtype, layouts)
+        else:
+            self.inner.connect(boundary_shape, dtype, layouts, boundaries)
 
     def send(self, tag: Tag, value) -> None:
-        done = self.clocks[tag.src_stage].free_at
-        if tag.dst_stage in self.clocks:
+        src, dst = endpoints(tag, self._boundaries)
+        done = self.clocks[src].free_at
+        if dst in self.clocks:
             self._sent_at[tag] = done
         else:
             sleep_until(done)
@@ -94,7 +100,7 @@ class ClockedTransport(Transport):
     def recv(self, tag: Tag):
         value = self.inner.recv(tag)
         arrived = self._sent_at.pop(tag, None)
-        self.clocks[tag.dst_stage].arrive(time.perf_counter() if arrived is None else arrived)
+        self.clocks[endpoints(tag, self._boundaries)[1]].arrive(time.perf_counter() if arrived is None else arrived)
         return value
 
     def prepost(self, tags) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 from h2jax import schedules as sched
 from h2jax.config import ConfigError
 from h2jax.plan import Plan
-from h2jax.runtime.stage import StageExecutor
+from h2jax.runtime.stage import StageExecutor, chunk_executors
 from h2jax.transport.base import ACT, GRAD, Tag, Transport
 
 
@@ -60,15 +60,19 @@ _finite_fns = None
 
 
 class _StageRun:
-    """One stage's progress through its action list within one step."""
+    """One stage's progress through its action list within one step. `ex` is the stage
+    (a StageExecutor, or under interleaved 1F1B a ChunkedStage); `chunks[c]` runs the
+    actions of chunk c. Arrays are keyed by (micro-batch, chunk)."""
 
-    def __init__(self, ex: StageExecutor, actions: list[sched.Action], training: bool = True):
+    def __init__(self, ex, actions: list[sched.Action], training: bool = True):
         self.ex, self.actions, self.pos, self.training = ex, actions, 0, training
-        self.inbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> received array
-        self.outbox: dict[tuple[str, int], object] = {}  # (ACT|GRAD, micro) -> array to send
-        self.saved: dict[int, object] = {}  # micro -> residuals for the backward
-        self.deferred: dict[int, object] = {}  # micro -> what its W needs (split backward)
-        self.losses: dict[int, object] = {}
+        self.chunks: list[StageExecutor] = chunk_executors(ex)
+        self.n_stages = ex.plan.n_stages
+        self.inbox: dict[tuple[str, int, int], object] = {}  # (ACT|GRAD, micro, chunk) -> received array
+        self.outbox: dict[tuple[str, int, int], object] = {}  # (ACT|GRAD, micro, chunk) -> array to send
+        self.saved: dict[tuple[int, int], object] = {}  # (micro, chunk) -> residuals for the backward
+        self.deferred: dict[tuple[int, int], object] = {}  # (micro, chunk) -> what its W needs (split backward)
+        self.losses: dict[int, object] = {}  # micro -> loss (the last virtual stage)
         self.finite = None  # on the device: every forward output of this step so far is finite
 
     @property
@@ -77,31 +81,54 @@ class _StageRun:
 
     def pending_tag(self) -> Tag | None:
         """The receive this stage waits on, if its next action is a receive."""
-        return None if self.done else receive_tag(self.ex.index, self.actions[self.pos])
+        return None if self.done else receive_tag(self.ex.index, self.actions[self.pos], self.n_stages)
 
     def receive_tags(self) -> list[Tag]:
         """Every message this stage receives in the step, in the order it needs them."""
-        return [t for a in self.actions if (t := receive_tag(self.ex.index, a)) is not None]
+        return [t for a in self.actions if (t := receive_tag(self.ex.index, a, self.n_stages)) is not None]
 
 
-def receive_tag(stage: int, action: sched.Action) -> Tag | None:
-    """The message a receive action of `stage` takes; None for other actions."""
+def receive_tag(stage: int, action: sched.Action, n_stages: int = 1) -> Tag | None:
+    """The message a receive action of `stage` takes; None for other actions. Boundaries are
+    virtual: chunk c of stage i is virtual stage c * n_stages + i (transport.base)."""
+    vs = action.chunk * n_stages + stage
     if action.kind == sched.RECV_ACT:
-        return Tag(ACT, stage - 1, action.micro)
+        return Tag(ACT, vs - 1, action.micro)
     if action.kind == sched.RECV_GRAD:
-        return Tag(GRAD, stage, action.micro)
+        return Tag(GRAD, vs, action.micro)
     return None
+
+
+def send_tag(stage: int, action: sched.Action, n_stages: int = 1) -> Tag:
+    """The message a send action of `stage` makes (virtual boundaries, as receive_tag)."""
+    vs = action.chunk * n_stages + stage
+    return Tag(ACT, vs, action.micro) if action.kind == sched.SEND_ACT else Tag(GRAD, vs - 1, action.micro)
+
+
+def virtual_boundaries(plan: Plan) -> dict[int, tuple[int, int]] | None:
+    """Under interleaved 1F1B, each virtual boundary's (stage before, stage after): boundary
+    b joins stage b % p to stage (b + 1) % p (the last stage wraps to the first for the
+    next chunk); None for a plain pipeline (the transports' default chain)."""
+    p, v = plan.n_stages, plan.virtual_stages
+    if v == 1:
+        return None
+    return {b: (b % p, (b + 1) % p) for b in range(p * v - 1)}
 
 
 class Pipeline:
     """`tracer` (h2jax.runtime.tracing.StepTracer), when given, records every action."""
 
-    def __init__(self, plan: Plan, transport: Transport, executors: dict[int, StageExecutor], tracer=None):
+    def __init__(self, plan: Plan, transport: Transport, executors: dict, tracer=None):
         self.plan, self.transport, self.executors, self.tracer = plan, transport, executors, tracer
         self.schedule = sched.get_schedule(plan.schedule).build(plan.n_stages, plan.n_micro, plan.virtual_stages)
         first = next(iter(executors.values()))
         shape = (plan.micro_batch, plan.seq_len, plan.model.d_model)
-        transport.connect(shape, first.boundary_dtype, {i: ex.boundary_sharding for i, ex in executors.items()})
+        layouts = {i: ex.boundary_sharding for i, ex in executors.items()}
+        boundaries = virtual_boundaries(plan)
+        if boundaries is None:
+            transport.connect(shape, first.boundary_dtype, layouts)
+        else:
+            transport.connect(shape, first.boundary_dtype, layouts, boundaries)
 
     def step(self, tokens: np.ndarray | None) -> float:
         """One optimizer step on a global batch `tokens` [global_batch, seq_len + 1];
@@ -119,11 +146,13 @@ class Pipeline:
         return self._mean_loss(runs)
 
     def _forward_only(self, stage: int) -> list[sched.Action]:
-        first, last = stage == 0, stage == self.plan.n_stages - 1
+        p, v = self.plan.n_stages, self.plan.virtual_stages
         actions = []
         for k in range(self.plan.n_micro):
-            actions += ([] if first else [sched.Action(sched.RECV_ACT, k)]) + [sched.Action(sched.F, k)]
-            actions += [] if last else [sched.Action(sched.SEND_ACT, k)]
+            for c in range(v):
+                first, last = stage == 0 and c == 0, stage == p - 1 and c == v - 1
+                actions += ([] if first else [sched.Action(sched.RECV_ACT, k, c)]) + [sched.Action(sched.F, k, c)]
+                actions += [] if last else [sched.Action(sched.SEND_ACT, k, c)]
         return actions
 
     def _drive(self, runs: list[_StageRun], tokens: np.ndarray | None) -> None:
@@ -157,8 +186,9 @@ class Pipeline:
 
     @staticmethod
     def _backward_follows(run: _StageRun) -> bool:
-        """The last stage's forward k is immediately followed by its backward k."""
-        return run.ex.is_last and sched.backward_follows(run.actions, run.pos)
+        """The last (virtual) stage's forward k is immediately followed by its backward k."""
+        ex = run.chunks[run.actions[run.pos].chunk]
+        return ex.is_last and sched.backward_follows(run.actions, run.pos)
 
     def _execute(self, run: _StageRun, inputs, labels) -> None:
         if self.tracer is None:
@@ -166,60 +196,63 @@ class Pipeline:
             return
         a, t0 = run.actions[run.pos], self.tracer.now()
         computed = self._run_action(run, inputs, labels)
-        ex, args = run.ex, {"micro": a.micro}
+        ex, args = run.chunks[a.chunk], {"micro": a.micro}
+        if a.chunk:
+            args["chunk"] = a.chunk
         if computed is not None:
             interval = ex.clock.last_interval if ex.clock is not None else None
             self.tracer.compute(ex.index, computed[0], t0, computed[1], args, interval)
         elif a.kind in (sched.RECV_ACT, sched.RECV_GRAD):
-            self.tracer.comm(ex.index, f"{a.kind}{a.micro}", t0, self.tracer.now(), args)
+            self.tracer.comm(ex.index, repr(a), t0, self.tracer.now(), args)
         else:
-            self.tracer.comm(ex.index, f"{a.kind}{a.micro}", t0, t0, args)
+            self.tracer.comm(ex.index, repr(a), t0, t0, args)
 
     def _run_action(self, run: _StageRun, inputs, labels):
         """Runs the stage's next action; for a compute returns (its name in a trace, the
-        arrays it produced), else None."""
+        arrays it produced), else None. Names carry the chunk as the simulator's do (F3c1)."""
         a = run.actions[run.pos]
-        ex, k, i = run.ex, a.micro, run.ex.index
+        c, k = a.chunk, a.micro
+        ex, mc, n = run.chunks[c], (a.micro, a.chunk), f"{a.micro}" + (f"c{a.chunk}" if a.chunk else "")
         computed = None
         if a.kind == sched.F and self._backward_follows(run):
-            x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k))
+            x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k, c))
             run.losses[k], dx = ex.forward_backward(x, ex.put_labels(labels[k]), self._loss_cotangent)
             if not ex.is_first:
-                run.outbox[GRAD, k] = dx
-            computed = (f"F{k}+B{k}", (run.losses[k], dx, ex.grad_acc))
+                run.outbox[GRAD, k, c] = dx
+            computed = (f"F{n}+B{n}", (run.losses[k], dx, ex.grad_acc))
             run.pos += 1  # the B action just ran too
         elif a.kind == sched.F:
-            x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k))
+            x = ex.put_input(inputs[k]) if ex.is_first else run.inbox.pop((ACT, k, c))
             y = ex.put_labels(labels[k]) if ex.is_last else None
             out, saved = ex.forward(x, y)
             if run.training:
-                run.saved[k] = saved
-            computed = (f"F{k}", out)
+                run.saved[mc] = saved
+            computed = (f"F{n}", out)
             run.finite = _all_finite(out, run.finite)
             if ex.is_last:
                 run.losses[k] = out
             else:
-                run.outbox[ACT, k] = out
+                run.outbox[ACT, k, c] = out
         elif a.kind == sched.B:
-            dy = self._loss_cotangent if ex.is_last else run.inbox.pop((GRAD, k))
+            dy = self._loss_cotangent if ex.is_last else run.inbox.pop((GRAD, k, c))
             if ex.split_backward:  # the input gradient now, the weight gradient at its W
-                dx, run.deferred[k] = ex.backward_input(run.saved.pop(k), dy)
-                computed = (f"B{k}", (dx, run.deferred[k][1]))
+                dx, run.deferred[mc] = ex.backward_input(run.saved.pop(mc), dy)
+                computed = (f"B{n}", (dx, run.deferred[mc][1]))
             else:
-                dx = ex.backward(run.saved.pop(k), dy)
-                computed = (f"B{k}", (dx, ex.grad_acc))
+                dx = ex.backward(run.saved.pop(mc), dy)
+                computed = (f"B{n}", (dx, ex.grad_acc))
             if not ex.is_first:
-                run.outbox[GRAD, k] = dx
+                run.outbox[GRAD, k, c] = dx
         elif a.kind == sched.W:
-            ex.backward_weight(run.deferred.pop(k))
-            computed = (f"W{k}", ex.grad_acc)
+            ex.backward_weight(run.deferred.pop(mc))
+            computed = (f"W{n}", ex.grad_acc)
         elif a.kind == sched.SEND_ACT:
-            self.transport.send(Tag(ACT, i, k), run.outbox.pop((ACT, k)))
+            self.transport.send(send_tag(ex.index, a, run.n_stages), run.outbox.pop((ACT, k, c)))
         elif a.kind == sched.SEND_GRAD:
-            self.transport.send(Tag(GRAD, i - 1, k), run.outbox.pop((GRAD, k)))
+            self.transport.send(send_tag(ex.index, a, run.n_stages), run.outbox.pop((GRAD, k, c)))
         elif a.kind in (sched.RECV_ACT, sched.RECV_GRAD):
             tag = run.pending_tag()
-            run.inbox[tag.kind, k] = self.transport.recv(tag)
+            run.inbox[tag.kind, k, c] = self.transport.recv(tag)
         run.pos += 1
         return computed
 

@@ -81,13 +81,16 @@ class StageExecutor:
     def __init__(
         self, plan: Plan, index: int, devices: list, *, precision=None, param_dtype=None,
         compute_dtype=None, clock: StageClock | None = None, check_memory: bool = True,
-        attention: str | None = None, lr_schedule=None,
+        attention: str | None = None, lr_schedule=None, chunk: int = 0,
     ):
         """Numerics default to the stage chip's [precision] policy and the attention kernel to
         its [kernels] choice (`attention`: one of h2jax.config.ATTENTION_KERNELS); `clock` (see
         h2jax.runtime.emulation) times each compute. The steps are compiled before anything
         is allocated and, with `check_memory`, a stage that does not fit its chip is refused.
-        `lr_schedule` (a function of the update count) replaces the plan's schedule."""
+        `lr_schedule` (a function of the update count) replaces the plan's schedule.
+        `chunk`: under interleaved 1F1B, which of the stage's layer chunks this executor runs
+        (virtual stage chunk * n_stages + index; `ChunkedStage` holds one per chunk)."""
+        check_chunks(plan)
         stage = plan.stages[index]
         self.plan, self.index, self.stage = plan, index, stage
         self.chip: ChipType = load_chip(stage.chip)
@@ -106,19 +109,21 @@ class StageExecutor:
             )
         self.boundary_dtype = _dtype(boundary_dtype(plan))
         self.clock = clock
-        self.is_first, self.is_last = index == 0, index == plan.n_stages - 1
-        if plan.virtual_stages != 1:
-            raise ConfigError(
-                f"the runtime does not run interleaved plans yet (virtual_stages = {plan.virtual_stages}); "
-                "plan with --schedule 1f1b, gpipe or zb-h1 (simulate interleaved with `h2jax simulate`)"
-            )
+        v = plan.virtual_stages
+        if not 0 <= chunk < v:
+            raise ValueError(f"chunk {chunk} is not one of stage {index}'s {v} layer chunks")
+        self.chunk = chunk
+        # the first and last virtual stage: stage 0's chunk 0, the last stage's last chunk
+        self.is_first = index == 0 and chunk == 0
+        self.is_last = index == plan.n_stages - 1 and chunk == v - 1
         self.schedule = sched.get_schedule(plan.schedule)
-        self.actions = self.schedule.stage_actions(index, plan.n_stages, plan.n_micro)
+        self.actions = [a for a in self.schedule.stage_actions(index, plan.n_stages, plan.n_micro, v)
+                        if a.chunk == chunk]
         self.split_backward = self.schedule.splits_backward
         self.remat_policy = SELECTIVE_POLICY if stage.recompute == "selective" else None
         self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
         cfg = plan.model
-        start, end = stage.layers
+        start, end = stage.layer_ranges[chunk]
         policy = SELECTIVE_POLICY if stage.recompute == "selective" else None
 
         def build() -> StageModel:
@@ -367,8 +372,12 @@ class StageExecutor:
             steps += [forward, backward]
         # the registry's rules (h2jax.schedules): what this stage's action list holds at peak
         p, m = self.plan.n_stages, self.plan.n_micro
-        in_flight = self.schedule.in_flight(self.index, p, m) if split else 0
-        deferred = self.schedule.deferred(self.index, p, m) if split else 0
+        if self.plan.virtual_stages == 1:
+            in_flight = self.schedule.in_flight(self.index, p, m) if split else 0
+            deferred = self.schedule.deferred(self.index, p, m) if split else 0
+        else:  # this chunk's share of the stage's list (ChunkedStage checks the stage's sum)
+            in_flight = sched.max_in_flight(self.actions) if split else 0
+            deferred = sched.max_deferred(self.actions) if split else 0
         return StageMemory.of(self, update, steps, held, in_flight, forward, deferred, cots)
 
     def _micro_batch_programs(self, actions: list[sched.Action]) -> tuple[bool, bool]:
@@ -447,3 +456,81 @@ class StageExecutor:
 
     def params_numpy(self) -> dict:
         return jax.tree.map(np.asarray, self.params)
+
+
+# ----------------------------------------------------------------------------- interleaved 1F1B
+
+
+def check_chunks(plan: Plan) -> None:
+    """Refuse, before anything compiles, an interleaved plan with an empty layer chunk: the
+    runtime runs each chunk as its own compiled slice of the model and needs a layer in each."""
+    if plan.virtual_stages == 1:
+        return
+    for i, stage in enumerate(plan.stages):
+        for c, (start, end) in enumerate(stage.layer_ranges):
+            if start == end:
+                raise ConfigError(
+                    f"stages[{i}].layers[{c}] is an empty chunk ([{start}, {end}]): the runtime runs every "
+                    f"chunk of an interleaved plan as a compiled model slice and needs at least one layer in "
+                    f"each; move a layer into it, or plan with fewer virtual_stages"
+                )
+
+
+class ChunkedStage:
+    """Stage `index` of an interleaved plan (virtual_stages v > 1): one StageExecutor per
+    layer chunk, all on the stage's devices (chunk c is virtual stage c * n_stages + index).
+    What the runtime asks of a stage as a whole (its gradient norm, its update, its
+    parameters and memory) covers every chunk; the pipeline runs each chunk's actions on
+    `chunks[c]`. Memory: each chunk compiles its own programs; the stage is checked against
+    its chip for the sum of the chunks' persistent state, the registry's in-flight count for
+    the whole stage times the largest chunk's per-micro-batch residuals, and the largest
+    working set."""
+
+    def __init__(self, plan: Plan, index: int, devices: list, *, check_memory: bool = True, **kwargs):
+        check_chunks(plan)
+        self.chunks = [StageExecutor(plan, index, devices, chunk=c, check_memory=False, **kwargs)
+                       for c in range(plan.virtual_stages)]
+        first = self.chunks[0]
+        self.plan, self.index, self.stage, self.chip, self.clock = plan, index, first.stage, first.chip, first.clock
+        self.is_first, self.is_last = index == 0, index == plan.n_stages - 1
+        self.is_stage_leader = first.is_stage_leader
+        self.boundary_sharding, self.boundary_dtype = first.boundary_sharding, first.boundary_dtype
+        self.memory = self._memory()
+        if check_memory and self.memory is not None:
+            self.memory.check(self)
+
+    def _memory(self) -> StageMemory | None:
+        parts = [ex.memory for ex in self.chunks]
+        if any(m is None for m in parts):
+            return None
+        schedule = self.chunks[0].schedule
+        p, m, v = self.plan.n_stages, self.plan.n_micro, self.plan.virtual_stages
+        return StageMemory(
+            persistent_bytes=sum(x.persistent_bytes for x in parts),
+            per_micro_batch_bytes=max(x.per_micro_batch_bytes for x in parts),
+            in_flight=schedule.in_flight(self.index, p, m, v),
+            working_bytes=max(x.working_bytes for x in parts),
+            capacity_bytes=parts[0].capacity_bytes,
+            deferred=schedule.deferred(self.index, p, m, v),
+            per_deferred_bytes=max(x.per_deferred_bytes for x in parts),
+        )
+
+    @property
+    def params(self) -> dict:
+        """Every chunk's parameters, by global group name (embed, layer_NNN, head)."""
+        return {k: v for ex in self.chunks for k, v in ex.params.items()}
+
+    def grad_squared_norm(self) -> float:
+        return float(sum(ex.grad_squared_norm() for ex in self.chunks))
+
+    def update(self, global_norm: float) -> None:
+        for ex in self.chunks:
+            ex.update(global_norm)
+
+    def params_numpy(self) -> dict:
+        return jax.tree.map(np.asarray, self.params)
+
+
+def chunk_executors(stage) -> list[StageExecutor]:
+    """The executors of a stage, by chunk: a ChunkedStage's chunks, else the stage itself."""
+    return getattr(stage, "chunks", None) or [stage]

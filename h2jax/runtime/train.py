@@ -143,11 +143,12 @@ class Trainer:
         from h2jax.runtime.emulation import ClockedTransport, StageClock
         from h2jax.runtime.devices import assign_devices
         from h2jax.runtime.pipeline import Pipeline
-        from h2jax.runtime.stage import StageExecutor
+        from h2jax.runtime.stage import ChunkedStage, StageExecutor, check_chunks
 
         from h2jax.runtime.optim import learning_rate_schedule, with_schedule_length
 
         plan = with_schedule_length(plan, steps)
+        check_chunks(plan)  # before any stage compiles
         self.plan = plan
         # `lr_schedule`: your own (a traceable function of the update count), else the plan's.
         self.lr_schedule = lr_schedule or learning_rate_schedule(plan.optimizer, plan.train)
@@ -183,8 +184,10 @@ class Trainer:
                 for i, c in chips.items()
             }
             self.transport = ClockedTransport(self.transport, self.clocks)
+        # Interleaved 1F1B: a stage runs one compiled model slice per layer chunk (ChunkedStage).
+        stage_class = StageExecutor if plan.virtual_stages == 1 else ChunkedStage
         self.executors = {
-            i: StageExecutor(plan, i, placement[i], clock=self.clocks.get(i), lr_schedule=lr_schedule)
+            i: stage_class(plan, i, placement[i], clock=self.clocks.get(i), lr_schedule=lr_schedule)
             for i in stages
         }
         self.tracer = tracer

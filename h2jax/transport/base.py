@@ -10,6 +10,12 @@ Layout rule (topology-aware resharding): at a boundary, an activation of global 
 over its tensor-parallel devices along d_model, so every element crosses the slow link once.
 The receiver's compiled step all-gathers over `tensor` on its fast links. Gradients going
 back use the sending stage's layout in mirror.
+
+Boundaries: boundary b lies between (virtual) stage b and b + 1. Without virtual stages these
+are the physical stages; under interleaved 1F1B (v chunks per stage, p stages) virtual stage
+c*p + i runs on stage i, so boundary b joins stage b % p to stage (b + 1) % p (the last stage
+wraps back to the first for the next chunk). Transports know no plan: the caller gives them
+each boundary's (stage before, stage after) at `connect`, and `endpoints` maps a tag to them.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ ACT, GRAD = "act", "grad"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tag:
-    """One message: `kind` ACT flows from stage `boundary` to `boundary + 1`, GRAD back."""
+    """One message: `kind` ACT flows from (virtual) stage `boundary` to `boundary + 1`, GRAD
+    back; `src_stage`/`dst_stage` are those (virtual) stages, `endpoints` the physical ones."""
 
     kind: str
     boundary: int
@@ -38,14 +45,30 @@ class Tag:
         return self.boundary + 1 if self.kind == ACT else self.boundary
 
 
+Boundaries = Mapping[int, tuple[int, int]]  # boundary -> (stage before it, stage after it)
+
+
+def chain(n_stages: int) -> dict[int, tuple[int, int]]:
+    """The boundaries of a plain pipeline: b joins stage b to stage b + 1."""
+    return {b: (b, b + 1) for b in range(n_stages - 1)}
+
+
+def endpoints(tag: Tag, boundaries: Boundaries | None) -> tuple[int, int]:
+    """(sending stage, receiving stage) of `tag` (`boundaries` None: the plain chain)."""
+    before, after = (tag.boundary, tag.boundary + 1) if boundaries is None else boundaries[tag.boundary]
+    return (before, after) if tag.kind == ACT else (after, before)
+
+
 class Transport(abc.ABC):
     """Moves boundary arrays between stages. Sends never block; receives block until ready."""
 
     @abc.abstractmethod
-    def connect(self, boundary_shape: tuple[int, ...], dtype, layouts: Mapping[int, object]) -> None:
+    def connect(self, boundary_shape: tuple[int, ...], dtype, layouts: Mapping[int, object],
+                boundaries: Boundaries | None = None) -> None:
         """Prepare to move arrays of `boundary_shape`/`dtype`. `layouts[i]` is the
         `jax.sharding.NamedSharding` a boundary array has on stage i, for the stages this
-        process runs."""
+        process runs; `boundaries` maps each boundary to (stage before, stage after)
+        (default: the plain chain of stages, `chain`)."""
 
     @abc.abstractmethod
     def send(self, tag: Tag, value) -> None:

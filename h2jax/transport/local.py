@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from h2jax.transport import reshard
-from h2jax.transport.base import Tag, Transport
+from h2jax.transport.base import Tag, Transport, endpoints
 
 HANDOFFS = ("async", "sync")
 
@@ -89,26 +89,26 @@ class LocalTransport(Transport):
         self._layouts: dict[int, object] = {}
         self._mailbox: dict[Tag, jax.Array] = {}
         self._routes: dict[tuple[int, int], _Handoff] = {}
+        self._boundaries = None
         self.bytes_moved = 0
 
-    def connect(self, boundary_shape, dtype, layouts: Mapping[int, object]) -> None:
+    def connect(self, boundary_shape, dtype, layouts: Mapping[int, object], boundaries=None) -> None:
         self._layouts = dict(layouts)
+        self._boundaries = None if boundaries is None else dict(boundaries)
         self._shape, self._dtype = tuple(boundary_shape), np.dtype(dtype)
         self._routes = {}
 
     def _route(self, tag: Tag) -> _Handoff:
-        key = (tag.src_stage, tag.dst_stage)
+        key = endpoints(tag, self._boundaries)
         if key not in self._routes:
-            self._routes[key] = _Handoff(
-                self._layouts[tag.src_stage], self._layouts[tag.dst_stage], self._shape, self._dtype
-            )
+            self._routes[key] = _Handoff(self._layouts[key[0]], self._layouts[key[1]], self._shape, self._dtype)
         return self._routes[key]
 
     def send(self, tag: Tag, value) -> None:
         if tag in self._mailbox:
             raise RuntimeError(f"{tag} sent twice; the schedule sends each message once")
         if self.handoff == "sync":
-            self._mailbox[tag] = jax.device_put(value, self._layouts[tag.dst_stage])
+            self._mailbox[tag] = jax.device_put(value, self._layouts[endpoints(tag, self._boundaries)[1]])
             self.bytes_moved += value.nbytes
             return
         route = self._route(tag)

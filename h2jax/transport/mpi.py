@@ -37,7 +37,7 @@ import numpy as np
 
 from h2jax.config import ConfigError
 from h2jax.transport import reshard
-from h2jax.transport.base import ACT, GRAD, Tag, Transport
+from h2jax.transport.base import ACT, GRAD, Tag, Transport, chain, endpoints
 
 PATHS = ("auto", "direct", "staged")
 ALIGN = 64  # PJRT adopts host buffers without a copy only when they are 64-byte aligned
@@ -376,8 +376,10 @@ class MPITransport(Transport):
 
     # -- set-up
 
-    def connect(self, boundary_shape, dtype, layouts: Mapping[int, object]) -> None:
+    def connect(self, boundary_shape, dtype, layouts: Mapping[int, object], boundaries=None) -> None:
         shape = tuple(int(n) for n in boundary_shape)
+        # boundary -> (stage before, stage after): virtual boundaries under interleaved 1F1B
+        self._boundaries = dict(chain(self.n_stages) if boundaries is None else boundaries)
         dtype = np.dtype(dtype)
         if self.stage not in layouts:
             raise ValueError(f"connect() on rank {self.rank} needs the layout of its stage {self.stage}")
@@ -414,12 +416,12 @@ class MPITransport(Transport):
         self._by_device = sharding.is_fully_replicated and len(self._local) > 1
         self._block_shape = tuple(sharding.shard_shape(shape))
         self._block_nbytes = int(np.prod(self._block_shape, dtype=np.int64)) * dtype.itemsize
-        n_b = max(self.n_stages - 1, 1)
+        n_b = max(len(self._boundaries), 1)
         self._code_stride = 2 * n_b  # tag = micro * stride + (kind is GRAD) * n_b + boundary
         self._max_micro = (self.tag_ub - self._code_stride + 1) // self._code_stride
         plan_fn = reshard.broadcast_plan if self.reshard_mode == "broadcast" else reshard.reshard_plan
-        for b in range(self.n_stages - 1):
-            for kind, (s, d) in ((ACT, (b, b + 1)), (GRAD, (b + 1, b))):
+        for b, (before, after) in sorted(self._boundaries.items()):
+            for kind, (s, d) in ((ACT, (before, after)), (GRAD, (after, before))):
                 if self.stage not in (s, d):
                     continue
                 src, dst = layouts_by_stage[s], layouts_by_stage[d]
@@ -515,7 +517,11 @@ class MPITransport(Transport):
         return tag.micro * self._code_stride + route.code_base
 
     def _no_route(self, tag: Tag, role: str) -> ValueError:
-        stage = tag.src_stage if role == "sent" else tag.dst_stage
+        boundaries = getattr(self, "_boundaries", None)
+        if boundaries is not None and tag.boundary not in boundaries:
+            return ValueError(f"{tag} names no boundary of this job (it has boundaries 0..{len(boundaries) - 1})")
+        src, dst = endpoints(tag, boundaries)
+        stage = src if role == "sent" else dst
         if stage != self.stage:
             return ValueError(f"{tag} is {role} by stage {stage}, not by this process's stage {self.stage}")
         return ValueError(
