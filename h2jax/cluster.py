@@ -65,24 +65,6 @@ class Kernels:
     attention: str = "xla"
 
 
-ATTENTION_CHOICES = ("fused", "xla")
-
-
-def default_attention(platform: str) -> str:
-    """[kernels] attention when a chip file does not say: "fused" where JAX has the platform's
-    own flash kernel (cuDNN on `cuda`), else "xla" (the explicit path; "fused" there means the
-    blocked XLA kernel, which trades extra backward compute for memory -- a chip file opts in)."""
-    return "fused" if platform == "cuda" else "xla"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Kernels:
-    """Which kernels a chip type runs: `attention` is "fused" (never materializes the s x s
-    scores) or "xla" (the explicit path, scores materialized and kept for the backward)."""
-
-    attention: str = "xla"
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChipType:
     name: str
