@@ -104,7 +104,8 @@ def test_three_processes_with_a_two_process_data2_tensor2_stage(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_four_processes_four_stages(tmp_path):
-    stages = [((1, 1), (0, 1), 1), ((2, 1), (1, 2), 1), ((1, 2), (2, 3), 1), ((1, 1), (3, 4), 1)]
+    # Recompute on (full, selective) and off in one plan, under every schedule.
+    stages = [((1, 1), (0, 1), 1), ((2, 1), (1, 2), 1, "full"), ((1, 2), (2, 3), 1, "selective"), ((1, 1), (3, 4), 1)]
     # Both schedules against the local 1F1B run: the runtime accumulates micro-batches in
     # the same order under both (the two-process test checks each against its own run).
     _check_mpi_equals_local(tmp_path, stages, ["1f1b", "gpipe", "zb-h1"], reference_schedule="1f1b")
