@@ -1,5 +1,3 @@
-import sys
+from h2jax.cli import run_and_exit
 
-from h2jax.cli import main
-
-sys.exit(main())
+run_and_exit()

@@ -302,10 +302,12 @@ def test_a_nonzero_exit_in_one_rank_ends_the_job():
 
 @pytest.mark.mpi
 def test_startup_barrier_names_the_missing_rank():
-    proc, _ = mpiexec(2, "fail.py", "late", "1", timeout=300, env={"H2JAX_MPI_STARTUP_TIMEOUT": "2"})
+    # The timeout also bounds each rank's MPI_Init (which waits for every rank): generous
+    # enough for a loaded machine to start both.
+    proc, _ = mpiexec(2, "fail.py", "late", "1", timeout=300, env={"H2JAX_MPI_STARTUP_TIMEOUT": "10"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"exit {proc.returncode}:\n{out}"
-    assert out.count("start-up barrier: rank 1 (stage 1) did not arrive within 2 s") == 1, out
+    assert out.count("start-up barrier: rank 1 (stage 1) did not arrive within 10 s") == 1, out
 
 
 @pytest.mark.mpi

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
@@ -48,5 +49,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def run_and_exit(argv: list[str] | None = None) -> None:
+    """The `h2jax` console script and `python -m h2jax`: run the command, then leave without
+    finalizing the interpreter under live worker threads. XLA's and orbax's threads can be
+    inside native code when Python finalizes; a daemon thread that re-enters Python then is
+    unwound by the interpreter and, through C++ frames, aborts the process ("FATAL: exception
+    not rethrown", status -6) after the command's work is done. By this point every output is
+    complete (checkpoints waited for, metrics closed); a stage's jax.distributed group and MPI
+    are shut down properly first."""
+    code = main(argv)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said there
+            pass
+    if "jax" in sys.modules:
+        from jax._src import distributed
+
+        if distributed.global_state.client is not None:
+            import jax
+
+            jax.distributed.shutdown()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()
