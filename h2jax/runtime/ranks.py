@@ -213,6 +213,17 @@ _hook_installed = False
 _aborting = False
 
 
+ABORT_GRACE_S = 1.0
+
+
+def _let_the_launcher_forward_it() -> None:
+    """mpiexec forwards each rank's output from a pipe as it reads it; MPI_Abort kills the job
+    at once and what the launcher has not read yet is lost (seen with MPICH's hydra: a rank's
+    error message missing from the job's output). A moment's pause after the flush lets the
+    one line that says why the job ends reach the user."""
+    time.sleep(ABORT_GRACE_S)
+
+
 def install_abort_on_error(comm=None, label: str | None = None) -> None:
     """Make an uncaught exception (in any thread) print once, labelled with this rank, and
     abort the whole MPI job, so the other ranks do not wait forever on a dead peer."""
@@ -239,6 +250,7 @@ def install_abort_on_error(comm=None, label: str | None = None) -> None:
             sys.stderr.write(text)
             sys.stderr.flush()
             sys.stdout.flush()
+            _let_the_launcher_forward_it()
         finally:
             comm.Abort(code)
             os._exit(code)
@@ -263,6 +275,7 @@ def abort_on_failure(comm=None, label: str | None = None):
             if not isinstance(e.code, int):
                 sys.stderr.write(f"{e.code}\n")
             sys.stderr.flush()
+            _let_the_launcher_forward_it()
             comm.Abort(code)
             os._exit(code)
         raise
