@@ -169,17 +169,6 @@ def _kernels(raw: Mapping[str, Any], where: str) -> Kernels:
     return Kernels(attention=attention)
 
 
-def _kernels(raw: Mapping[str, Any], where: str) -> Kernels:
-    table = _table(raw, "kernels", where, tuple(f.name for f in dataclasses.fields(Kernels)))
-    attention = table.get("attention", default_attention(str(raw["platform"])))
-    if attention not in ATTENTION_CHOICES:
-        raise ConfigError(
-            f"{where}: kernels.attention {attention!r} is unknown; use \"fused\" (never materializes "
-            f"the attention scores) or \"xla\" (the explicit path), or leave it out for the platform's default"
-        )
-    return Kernels(attention=attention)
-
-
 def chip_from_dict(name: str, raw: Mapping[str, Any], where: str) -> ChipType:
     missing = [k for k in _CHIP_REQUIRED if k not in raw]
     if missing:
