@@ -58,6 +58,8 @@ def run_and_exit(argv: list[str] | None = None) -> None:
     complete (checkpoints waited for, metrics closed); a stage's jax.distributed group and MPI
     are shut down properly first."""
     code = main(argv)
+    if "h2jax.runtime.rank_records" in sys.modules:  # a rank of a launched job ends by itself
+        sys.modules["h2jax.runtime.rank_records"].record_end(f"exit {code}")
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -4,17 +4,24 @@ plan's job with every rank on the host its stage names.
 Each rank sees only its own chips (CUDA_VISIBLE_DEVICES, ROCR_/HIP_VISIBLE_DEVICES, TPU
 process bounds, HABANA_VISIBLE_MODULES, ASCEND_RT_VISIBLE_DEVICES) and loads only its own
 platform (JAX_PLATFORMS). ARGS is what every rank runs (default: `h2jax run --plan FILE`).
---dry-run prints the command, the files it would write and the rank table, and runs nothing."""
+--dry-run prints the command, the files it would write and the rank table, and runs nothing.
+
+When a rank dies without a word (killed by a signal, a native crash), the launcher stops the
+others at once; `h2jax launch` then names the rank, its stage, host and how it died, from
+records each rank writes under FILES_DIR/ranks (`h2jax.runtime.rank_records`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from h2jax.config import ConfigError
+from h2jax.runtime import rank_records
 
 
 def add_parser(sub) -> None:
@@ -56,10 +63,47 @@ def main(args: argparse.Namespace) -> int:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     print(f"h2jax launch: {cmd.shell()}", file=sys.stderr, flush=True)
+    records = files_dir / "ranks"
+    shutil.rmtree(records, ignore_errors=True)  # this job's records only
     try:
-        return subprocess.run(cmd.argv, env={**os.environ, **cmd.env}).returncode
+        code, output = _run_teeing(cmd.argv, {**os.environ, **cmd.env, rank_records.ENV: str(records.resolve())})
     except FileNotFoundError:
         raise ConfigError(
             f"{cmd.argv[0]!r} is not on PATH; install the launcher (pip install mpich for mpiexec) "
             "or pick another with --launcher"
         ) from None
+    if code != 0:
+        for line in rank_records.explain_failure(output, rank_records.read_records(records)):
+            print(f"h2jax launch: {line}", file=sys.stderr, flush=True)
+    return code
+
+
+TAIL_BYTES = 1 << 16  # the launcher's last words, where it names the process that failed
+
+
+def _run_teeing(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run the launcher, passing its output through as it comes (bytes, not lines: progress
+    bars redraw with \r), and return its exit code with the tail of what it printed."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tails: dict[str, bytes] = {}
+
+    def pump(name: str, source, sink) -> None:
+        tail = b""
+        for chunk in iter(lambda: source.read1(1 << 16), b""):
+            sink.write(chunk)
+            sink.flush()
+            tail = (tail + chunk)[-TAIL_BYTES:]
+        tails[name] = tail
+
+    threads = [threading.Thread(target=pump, args=("out", proc.stdout, sys.stdout.buffer), daemon=True),
+               threading.Thread(target=pump, args=("err", proc.stderr, sys.stderr.buffer), daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:  # the launcher got the Ctrl-C too and stops the ranks
+        code = proc.wait()
+    for t in threads:
+        t.join()
+    text = b"\n".join(tails.get(k, b"") for k in ("out", "err")).decode("utf-8", "replace")
+    return code, text

@@ -30,6 +30,7 @@ from typing import Sequence
 
 from h2jax.config import ConfigError
 from h2jax.plan import Plan, PlanError
+from h2jax.runtime import rank_records
 from h2jax.runtime.signals import RunInterrupted
 from h2jax.transport.mpi import comm_world, first_ranks
 
@@ -137,6 +138,7 @@ def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) 
         if comm.rank == 0:  # every rank finds the same mismatch; one says so
             raise
         sys.exit(2)
+    rank_records.record_start(role.rank, role.stage)
     install_abort_on_error(comm, label=role.label)
     startup_barrier(comm, startup_timeout_s, describe=lambda r: _describe_rank(role, r))
     stage = plan.stages[role.stage]
@@ -247,6 +249,7 @@ def install_abort_on_error(comm=None, label: str | None = None) -> None:
                 traceback.format_exception(exc_type, exc, tb)
             )
         try:
+            rank_records.record_end("error")
             sys.stderr.write(text)
             sys.stderr.flush()
             sys.stdout.flush()
@@ -275,6 +278,7 @@ def abort_on_failure(comm=None, label: str | None = None):
             if not isinstance(e.code, int):
                 sys.stderr.write(f"{e.code}\n")
             sys.stderr.flush()
+            rank_records.record_end(f"exit {code}")
             _let_the_launcher_forward_it()
             comm.Abort(code)
             os._exit(code)

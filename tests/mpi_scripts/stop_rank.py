@@ -1,7 +1,7 @@
 """Launched by tests/test_hardening_runtime.py under mpiexec: train PLAN with the MPI transport
 and, before step 3, do to rank RANK what MODE says: `sigstop` (the rank freezes: the step
 watchdog must abort the job naming it), `sigterm` (every rank must stop after the same step
-with one line), `nan` (rank RANK feeds out-of-vocabulary tokens: the run stops naming the step
+with one line), `sigkill` (the rank dies without a word: `h2jax launch` must name it), `nan` (rank RANK feeds out-of-vocabulary tokens: the run stops naming the step
 and stage).
 
 usage: mpiexec -n K python stop_rank.py PLAN TOKENS MODE RANK
@@ -34,6 +34,8 @@ try:
                 if n == 2 and role.rank == target:
                     if mode == "sigstop":
                         os.kill(os.getpid(), signal.SIGSTOP)
+                    elif mode == "sigkill":  # dies without a word; the launcher must name it
+                        os.kill(os.getpid(), signal.SIGKILL)
                     elif mode == "sigterm":
                         os.kill(os.getpid(), signal.SIGTERM)
                     elif mode == "nan" and batch is not None:
