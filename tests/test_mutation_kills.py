@@ -572,6 +572,7 @@ def test_kills_reshard_broadcast_moves_tensor_times_the_bytes_by_hand():
         out = rs.apply_local(plan, src, dst, {0: x}, (2, 3, 4), x.dtype)
         np.testing.assert_array_equal(out[0], x[:, :, :2])
         np.testing.assert_array_equal(out[1], x[:, :, 2:])
+        assert out[0].dtype == out[1].dtype == x.dtype  # the receiver's blocks keep the sender's dtype
 
 
 def test_kills_reshard_split_and_index_helpers_by_hand():
