@@ -3,7 +3,8 @@
 - gradient clipping against optax.clip_by_global_norm (the pipelined run and the unpipelined
   reference both call h2jax.runtime.optim.clip, so comparing them cannot catch a bug in it);
 - the memory check's persistent figure against the bytes of the arrays a stage allocated;
-- an emulated chip's busy time against slowdown x its measured compute, on an injected clock;
+- an emulated chip's busy time against slowdown x its measured compute (CPU seconds of the
+  worker threads per device: not dispatch, waiting or shared cores), on an injected clock;
 - the profiler: the stage it times holds one layer, on a model where two would also be a
   valid stage, and its figures are the (injected) clock's, stretched by the chip's slowdown.
 
@@ -123,28 +124,66 @@ def test_memory_check_counts_params_grads_and_optimizer_state(shard_over_data):
 
 
 class FakeTime:
-    """A clock that moves only when told: `advance`, or a sleep (which returns at once)."""
+    """A clock that moves only when told. `now` is the wall clock, `cpu` this process's CPU
+    time (every thread), `own` the calling thread's. A sleep returns at once; `tick` makes
+    every wall or process-CPU reading `tick` after the last."""
 
     def __init__(self, start: float = 100.0, tick: float = 0.0):
         self.now, self.tick, self.slept = start, tick, []
+        self.cpu = self.own = 0.0
 
     def perf_counter(self) -> float:
-        self.now += self.tick  # a ticking clock: every reading is `tick` after the last
+        self.now += self.tick
         return self.now
+
+    def process_time(self) -> float:
+        self.cpu += self.tick
+        return self.cpu
+
+    def thread_time(self) -> float:
+        return self.own
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
         self.now += seconds
 
     def advance(self, seconds: float):
-        self.now += seconds
-        return np.float32(seconds)
+        """A compute on one device: the worker threads are busy `seconds` of wall and CPU."""
+        return self.work(seconds)
+
+    def work(self, cpu: float, wall: float | None = None, dispatch: float = 0.0, out=None):
+        """An executable call: the calling thread dispatches for `dispatch` s (its own CPU)
+        and returns; waiting for the result, worker threads use `cpu` CPU-seconds over `wall`
+        s of wall clock (more than `cpu` on a shared host or while an input is in flight,
+        less when several devices compute at once)."""
+        self.now += dispatch
+        self.own += dispatch
+        self.cpu += dispatch
+        return Pending(self, cpu, cpu if wall is None else wall, out)
+
+
+class Pending:
+    """A fake executable's result: `jax.block_until_ready` runs its compute on the fake clock;
+    it lives on the devices of `out` (a jax.Array), else on one."""
+
+    def __init__(self, clock: FakeTime, cpu: float, wall: float, out=None):
+        self.clock, self.cpu, self.wall, self.out = clock, cpu, wall, out
+        if out is not None:
+            self.sharding = out.sharding
+
+    def block_until_ready(self):
+        self.clock.now += self.wall
+        self.clock.cpu += self.cpu
+        self.wall = self.cpu = 0.0
+        return self
 
 
 @pytest.fixture
 def fake_time(monkeypatch):
     clock = FakeTime()
-    monkeypatch.setattr(emulation, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep))
+    monkeypatch.setattr(emulation, "time", types.SimpleNamespace(
+        perf_counter=clock.perf_counter, sleep=clock.sleep, process_time=clock.process_time,
+        thread_time=clock.thread_time))
     return clock
 
 
@@ -155,8 +194,46 @@ def test_emulated_compute_is_busy_slowdown_times_measured(fake_time):
     assert fake_time.slept == []  # deferred: a multi-stage process waits at the end of a step
     clock.run(fake_time.advance, 0.5)  # dispatched at 100.25, starts when the chip is free (101)
     assert (clock.measured_s, clock.busy_s, clock.free_at) == (0.75, 3.0, 103.0)
+    assert clock.last_interval == (101.0, 103.0)
     clock.wait()
     assert fake_time.now == 103.0 and fake_time.slept == [pytest.approx(103.0 - 100.75)]
+
+
+def test_emulation_stretches_compute_not_dispatch_nor_contention(fake_time):
+    """Only the worker threads' CPU seconds are stretched: the calling thread's Python
+    dispatch is not, nor the wall time a compute spent off the cores (another process held
+    them, or its input was still in flight)."""
+    clock = emulation.StageClock(slowdown=8.0, defer=True)
+    clock.run(lambda: fake_time.work(0.25, dispatch=0.5))
+    # dispatched at 100.5 (host time, unstretched), then 8 x 0.25 s of chip time
+    assert (clock.measured_s, clock.busy_s) == (0.25, 2.0) and clock.last_interval == (100.5, 102.5)
+    clock.run(lambda: fake_time.work(0.25, wall=1.0))  # a third of the wall time on a core
+    assert (clock.measured_s, clock.busy_s) == (0.5, 4.0) and clock.free_at == 104.5
+    # the same compute on an idle host: the same busy time
+    idle = emulation.StageClock(slowdown=8.0, defer=True)
+    idle.run(lambda: fake_time.work(0.25))
+    assert idle.busy_s == 2.0
+
+
+def test_emulated_devices_of_one_stage_do_not_share_the_hosts_cores(fake_time):
+    """A stage's D*T devices take turns on this host's cores; the chips they emulate each
+    have their own: the busy time is the CPU seconds per device, whatever the wall clock."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    on_four = jax.device_put(np.zeros((4, 4), np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "tensor")))
+    assert emulation.local_devices(on_four) == 4 and emulation.local_devices((np.float32(1.0),)) == 1
+    clock = emulation.StageClock(slowdown=2.0, defer=True)
+    # 4 devices x 0.5 CPU-s each on two cores: 1 s of wall clock
+    assert clock.run(lambda: fake_time.work(2.0, wall=1.0, out=on_four)).out is on_four
+    assert (clock.measured_s, clock.busy_s) == (0.5, 1.0)
+    one = emulation.StageClock(slowdown=2.0, defer=True)
+    one.run(lambda: fake_time.work(0.5))  # one device alone does the same per-device work
+    assert one.busy_s == clock.busy_s
+
+
+def test_a_real_chip_beside_emulated_ones_is_timed_by_the_wall_clock(fake_time):
+    clock = emulation.StageClock(slowdown=1.0, defer=True, emulated=False)
+    clock.run(lambda: fake_time.work(0.25, wall=1.0, dispatch=0.5))
+    assert (clock.measured_s, clock.busy_s, clock.last_interval) == (1.5, 1.5, (100.0, 101.5))
 
 
 def test_emulated_compute_waits_for_its_input_and_sleeps_when_alone(fake_time):
@@ -194,8 +271,9 @@ def test_a_message_between_local_stages_carries_the_senders_clock(fake_time):
 
 
 def test_every_compute_of_an_emulated_pipeline_is_stretched_by_its_chips_slowdown(monkeypatch, token_file):
-    """A whole training step on a ticking fake clock: each compute measures one tick, so each
-    stage's busy time is its chip file's slowdown x ticks x its forward/backward/update calls."""
+    """A whole training step on a ticking fake clock: each compute's worker threads use one
+    tick of CPU time over the stage's two devices, so each stage's busy time is its chip
+    file's slowdown x ticks / 2 x its forward/backward/update calls."""
     from h2jax.data import TokenDataset
     from h2jax.runtime.train import Trainer
     from tests.test_emulation import mixed_plan
@@ -203,7 +281,8 @@ def test_every_compute_of_an_emulated_pipeline_is_stretched_by_its_chips_slowdow
     plan = mixed_plan()  # emu-slow (16x) then emu-mid (8x): compiled by test_emulation.py too
     trainer = Trainer(plan)
     fake = FakeTime(tick=0.001)
-    monkeypatch.setattr(emulation, "time", types.SimpleNamespace(perf_counter=fake.perf_counter, sleep=fake.sleep))
+    monkeypatch.setattr(emulation, "time", types.SimpleNamespace(
+        perf_counter=fake.perf_counter, sleep=fake.sleep, process_time=fake.process_time, thread_time=fake.thread_time))
     calls: dict[int, int] = {}  # id(clock) -> computes it ran
     original = emulation.StageClock.run
 
@@ -219,7 +298,8 @@ def test_every_compute_of_an_emulated_pipeline_is_stretched_by_its_chips_slowdow
         slowdown = load_chip(plan.stages[i].chip).emulate.slowdown
         n = calls[id(clock)]
         assert n >= plan.n_micro + 1  # at least a forward per micro-batch and the update
-        assert clock.measured_s == pytest.approx(n * 0.001, rel=1e-9)
+        assert plan.stages[i].mesh.size == 2  # data=2 on stage 0, tensor=2 on stage 1
+        assert clock.measured_s == pytest.approx(n * 0.001 / 2, rel=1e-9)
         assert clock.busy_s == pytest.approx(slowdown * clock.measured_s, rel=1e-9)
     assert fake.now >= max(c.free_at for c in trainer.clocks.values())  # the step waited for the chips
 

@@ -1,25 +1,40 @@
 """Emulated chips: compute stretched in wall-clock time, and memory checked before a stage runs.
 
-An emulated chip type (a chip file with an `[emulate]` table) runs on the CPU backend. Each
-forward, backward and optimizer update is run to completion and timed; the chip is then busy
-for `slowdown` times that long. The stretch is real waiting, so tokens/s measured around a
-step are wall-clock figures — labelled as emulation wherever they are printed.
+An emulated chip type (a chip file with an `[emulate]` table) runs on the CPU backend. What
+its `slowdown` stretches is the chip's own compute, and nothing else:
 
-When one process runs several stages (the local transport), the stages share the host's
-cores, so sleeping inside each compute call would serialize a pipeline whose chips, in the
-system being emulated, run concurrently. Instead each stage keeps a `StageClock`: the time
-its chip becomes free. A compute starts when the host dispatches it, the chip is free and
-its input has arrived (the sender's clock when it sent), and ends `slowdown * measured`
-later; `ClockedTransport` carries the arrival times across boundaries. The step then waits
-until every chip is free, so its wall time is the emulated pipeline's makespan (or the
-host's own time, if that is longer). A process that runs one stage sleeps right after each
-compute, which is the same thing.
+    compute_s = (CPU seconds the executable's worker threads used) / (devices it ran on)
+    busy_s    = slowdown * compute_s
+
+i.e. an emulated chip is `slowdown` times slower than one core of this host, per device.
+CPU time, not wall-clock time, because wall-clock time of a call on a shared host also holds
+what the chip would not see (`measure_call`):
+- Python dispatch: the calling thread's CPU time is left out (it runs on the host, which
+  an emulated chip shares with a real one, and is not stretched);
+- waiting for an input still in flight, or for a core another process (or session) holds:
+  a thread that waits uses no CPU time;
+- the host's cores shared by a data- or tensor-parallel stage's devices: on this host the
+  D*T devices of a stage take turns on a few cores, so a call's wall time grows with D*T;
+  its CPU time per device does not (each emulated chip has its own compute units).
+A real chip (slowdown 1, no `[emulate]`) in the same process is timed by the wall clock: its
+time is what the host really takes. `h2jax profile` measures an emulated chip with the same
+`measure_call`, so the planner's profile and the emulation mean the same seconds.
+
+When one process runs several stages (the local transport), sleeping inside each compute
+call would serialize a pipeline whose chips, in the system being emulated, run concurrently.
+Instead each stage keeps a `StageClock`: the time its chip becomes free. A compute starts
+when the host has dispatched it, the chip is free and its input has arrived (the sender's
+clock when it sent), and ends `busy_s` later; `ClockedTransport` carries the arrival times
+across boundaries. The step then waits until every chip is free, so its wall time is the
+emulated pipeline's makespan (or the host's own time, if that is longer: the emulation
+cannot run faster than the host dispatches). A process that runs one stage sleeps right
+after each compute, which is the same thing.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 
@@ -32,31 +47,59 @@ def sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
-class StageClock:
-    """When one stage's (emulated) chip is free; `slowdown` 1 for a real chip."""
+def local_devices(out) -> int:
+    """How many of this process's devices the arrays `out` live on (1 for host values)."""
+    for leaf in jax.tree.leaves(out):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            return max(1, len(sharding.addressable_devices))
+    return 1
 
-    def __init__(self, slowdown: float, defer: bool):
-        self.slowdown, self.defer = slowdown, defer
+
+def measure_call(fn: Callable, *args) -> tuple[Any, float, float]:
+    """Run `fn(*args)` to completion -> (outputs, when the host had dispatched it, compute
+    seconds per device): the CPU seconds every thread but the calling one used during the
+    call (XLA's CPU backend runs executables on its own worker threads; the calling thread
+    only dispatches, then waits), over the devices the outputs live on. See the module
+    docstring for what this leaves out and why."""
+    cpu0, own0 = time.process_time(), time.thread_time()
+    out = fn(*args)
+    dispatched = time.perf_counter()
+    out = jax.block_until_ready(out)
+    workers = (time.process_time() - cpu0) - (time.thread_time() - own0)
+    return out, dispatched, max(workers, 0.0) / local_devices(out)
+
+
+class StageClock:
+    """When one stage's chip is free. `emulated`: its compute is `slowdown` x `measure_call`'s
+    per-device CPU seconds; otherwise (a real chip beside emulated ones) its wall-clock time."""
+
+    def __init__(self, slowdown: float, defer: bool, emulated: bool = True):
+        self.slowdown, self.defer, self.emulated = slowdown, defer, emulated
         self.free_at = 0.0  # time.perf_counter() at which the chip finishes its queued work
         self._input_at = 0.0  # arrival of the input the next compute consumes
-        self.measured_s = 0.0  # host compute seconds, summed (reset by the caller)
-        self.busy_s = 0.0  # emulated seconds, summed
-        self.last_interval = (0.0, 0.0)  # (start, end) of the latest compute, emulated
+        self.measured_s = 0.0  # host compute seconds (per device if emulated), summed (reset by the caller)
+        self.busy_s = 0.0  # seconds the chip was busy, summed
+        self.last_interval = (0.0, 0.0)  # (start, end) of the latest compute on this clock
 
     def arrive(self, t: float) -> None:
         self._input_at = max(self._input_at, t)
 
     def run(self, fn: Callable, *args):
-        """Run `fn(*args)` to completion and occupy the chip for `slowdown` times as long."""
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        elapsed = time.perf_counter() - t0
-        start = max(t0, self.free_at, self._input_at)
+        """Run `fn(*args)` to completion and occupy the chip for its (stretched) compute."""
+        if self.emulated:
+            out, ready, measured = measure_call(fn, *args)
+        else:
+            ready = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            measured = time.perf_counter() - ready
+        start = max(ready, self.free_at, self._input_at)
         self._input_at = 0.0
-        self.free_at = start + self.slowdown * elapsed
+        busy = self.slowdown * measured
+        self.free_at = start + busy
         self.last_interval = (start, self.free_at)
-        self.measured_s += elapsed
-        self.busy_s += self.slowdown * elapsed
+        self.measured_s += measured
+        self.busy_s += busy
         if not self.defer:
             sleep_until(self.free_at)
         return out

@@ -180,7 +180,7 @@ class Trainer:
             # a process that runs one stage waits right after each compute (see emulation.py).
             defer = len(stages) > 1
             self.clocks = {
-                i: StageClock(c.emulate.slowdown if c.name in self.emulated else 1.0, defer)
+                i: StageClock(c.emulate.slowdown if c.name in self.emulated else 1.0, defer, c.name in self.emulated)
                 for i, c in chips.items()
             }
             self.transport = ClockedTransport(self.transport, self.clocks)
