@@ -58,17 +58,27 @@ def one_layer_plan(chip: str, model: ModelConfig, seq_len: int, tensor: int, mic
     return Plan(model, seq_len, micro_batch, micro_batch, stages, model_name=preset_name(model))
 
 
-def _median_time(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+def _call_seconds(fn: Callable[[], object], emulated: bool) -> float:
+    """One timed call: on an emulated chip its compute as the runtime's emulation measures it
+    (h2jax.runtime.emulation.measure_call: worker CPU seconds per device, before the
+    slowdown), on a real chip its wall-clock time."""
+    import jax
+
+    if emulated:
+        from h2jax.runtime.emulation import measure_call
+
+        return measure_call(fn)[2]
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def _median_time(fn: Callable[[], object], repeats: int, warmup: int, emulated: bool = False) -> float:
     import jax
 
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_call_seconds(fn, emulated) for _ in range(repeats))
 
 
 def measure_layer(
@@ -86,14 +96,12 @@ def measure_layer(
     shape = (micro_batch, seq_len, model.d_model)
     x = jax.device_put(rng.normal(size=shape).astype(ex.boundary_dtype), ex.input_sharding)
     dy = jax.device_put(rng.normal(size=shape).astype(ex.boundary_dtype), ex.boundary_sharding)
-    forward_s = _median_time(lambda: ex.forward(x), repeats, warmup)
+    forward_s = _median_time(lambda: ex.forward(x), repeats, warmup, chip.is_emulated)
     backward_times = []
     for i in range(warmup + repeats):
         _, saved = ex.forward(x)
         jax.block_until_ready(saved)
-        t0 = time.perf_counter()
-        jax.block_until_ready(ex.backward(saved, dy))
-        backward_times.append(time.perf_counter() - t0)
+        backward_times.append(_call_seconds(lambda: ex.backward(saved, dy), chip.is_emulated))
     backward_s = statistics.median(backward_times[warmup:])
     mem = ex.memory
     return Measurement(

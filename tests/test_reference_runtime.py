@@ -323,6 +323,9 @@ def test_profiler_times_exactly_one_layer(monkeypatch):
     monkeypatch.setattr(stage_module, "StageExecutor", Spy)
     fake = FakeTime(tick=0.002)
     monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=fake.perf_counter, strftime=lambda f: "t"))
+    # an emulated chip is timed as the emulation times it: worker CPU seconds (one tick a run)
+    monkeypatch.setattr(emulation, "time", types.SimpleNamespace(
+        perf_counter=fake.perf_counter, process_time=fake.process_time, thread_time=fake.thread_time))
     cfg = PRESETS["tiny"]
     profile, raw = profiler.profile_chips(["emu-mid"], "tiny", 16, (1,), (2,), repeats=3, warmup=1)
     (ex,) = built
