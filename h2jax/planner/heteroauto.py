@@ -56,7 +56,7 @@ def predict(
     peak = sum(cluster.chips[c].peak_tflops * 1e12 * n for c, n in used.items())
     memory = [term.mem.total_bytes(s.n_layers) for term, s in zip(terms, plan.stages)]
     for i, (mem, term) in enumerate(zip(memory, terms)):
-        if mem > term.mem.capacity:  # never emit a plan that does not fit
+        if not term.mem.fits(plan.stages[i].n_layers):  # never emit a plan that does not fit
             raise PlannerError(
                 f"stages[{i}] needs {mem / GIB:.2f} GiB per chip but {plan.stages[i].chip} has "
                 f"{term.mem.capacity / GIB:.2f} GiB; this is a planner bug, please report it"
@@ -173,7 +173,7 @@ def uniform_split(
     stages = [dataclasses.replace(s, layers=c[0], chunks=None if len(c) == 1 else c) for s, c in zip(plan.stages, chunks)]
     even = plan.with_stages(stages)
     terms = cm.plan_stage_terms(even, cluster, profile, options)
-    fits = all(t.mem.total_bytes(s.n_layers) <= t.mem.capacity for t, s in zip(terms, even.stages))
+    fits = all(t.mem.fits(s.n_layers) for t, s in zip(terms, even.stages))
     t = cm.iteration_time(cm.stage_costs(even, cluster, profile, options), even.n_micro, even.schedule, even.virtual_stages)
     return {N.STEP_TIME_S: t, N.TOKENS_PER_S: even.tokens_per_step / t, "fits_in_memory": fits}
 

@@ -38,7 +38,8 @@ A measured profile's `activation_bytes` replaces A(n) when it has the shape and 
 from __future__ import annotations
 
 import dataclasses
-import math
+
+import numpy as np
 
 from h2jax.cluster import ChipType
 from h2jax.config import ATTENTION_BLOCK, ModelConfig
@@ -113,12 +114,23 @@ class StageMemoryTerms:
     def total_bytes(self, n_layers: int) -> float:
         return self.per_layer * n_layers + self.params_end + self.working + self.reserve
 
-    def max_layers(self) -> int:
-        """Most layers that fit (may be <= 0: not even one layer fits)."""
+    def fits(self, n_layers):
+        """THE fit test, the one the search, the exhaustive reference and `predict` share: the
+        stage's bytes with n_layers layers within the chip's capacity (elementwise for arrays)."""
+        return self.total_bytes(n_layers) <= self.capacity
+
+    def max_layers(self):
+        """Most layers that pass `fits` (may be <= 0: not even one layer fits); elementwise
+        (an int64 array) when `in_flight` is an array, e.g. one value per pipeline position.
+        The quotient room / per_layer is within one of it; `fits` decides the last layer."""
         room = self.capacity - self.params_end - self.working - self.reserve
-        if room < 0:
-            return -1
-        return int(math.floor(room / self.per_layer + 1e-9))
+        n = np.floor(np.maximum(room, 0.0) / self.per_layer)
+        for _ in range(2):
+            n = np.where(self.fits(n), n, n - 1)
+        for _ in range(2):
+            n = np.where(self.fits(n + 1), n + 1, n)
+        n = np.where(room < 0, -1, n).astype(np.int64)
+        return int(n) if n.ndim == 0 else n
 
     def breakdown(self, n_layers: int) -> dict[str, float]:
         """GiB per category, for reports."""

@@ -42,7 +42,7 @@ from h2jax.planner import cost_model as cm
 
 MID, FIRST, LAST, ONLY = 0, 1, 2, 3
 ROLE_FLAGS = ((False, False), (True, False), (False, True), (True, True))  # (first, last)
-_EPS = 1e-9  # the floors' rounding slack, as in the search's layer caps
+_EPS = 1e-9  # the time caps' rounding slack (a time computed as a*l + o keeps its l); memory caps are the fit test's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +98,9 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
                 end_time[role, i] = scale * np.dot(form.fill_last if last else form.fill, ends)
                 steady_end[:, role, i] = [np.dot(k, ends) for k in form.steady]
                 end_tail[role, i] = t.tail_end
-                room = t.mem.capacity - t.mem.params_end - t.mem.working - t.mem.reserve
-                per_layer = t.mem.layer_static + in_flight * t.mem.layer_activation
-                memcap[role, i] = -1 if room < 0 else np.minimum(np.floor(room / per_layer + _EPS), L)
+                # the fit test's caps at each position's in-flight count (no deferred-W gradients)
+                at = dataclasses.replace(t.mem, in_flight=in_flight, deferred=0)
+                memcap[role, i] = np.minimum(at.max_layers(), L)
                 if role == MID:
                     layer = np.array([t.fwd_layer, t.bwd_layer, t.bwd_weight_layer])
                     a[i] = scale * min(np.dot(form.fill, layer), np.dot(form.fill_last, layer))

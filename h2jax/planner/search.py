@@ -124,7 +124,7 @@ def check_exhaustive_size(ctx: Context, micro_batches: Sequence[int]) -> None:
 def _search_exhaustive(ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats) -> list[Candidate]:
     """Every stage list and every layer split, no bounds, no pruning: the reference.
 
-    Memory is checked with the memory model's byte totals directly (not its layer caps), and
+    Memory is checked with the memory model's fit test on each split (not its layer caps), and
     each split's time is evaluated from the stage terms, vectorised over all splits.
     """
     L, top = ctx.model.n_layers, TopK(k)
@@ -141,10 +141,7 @@ def _search_exhaustive(ctx: Context, micro_batches: Sequence[int], k: int, stats
             shapes = [o for o in chosen for _ in range(o.stages)]
             terms = [ctx.terms(b, o, i == 0, i == p - 1, *ctx.holds(i, p, m)) for i, o in enumerate(shapes)]
             splits = _compositions(L, p)
-            per_layer = np.array([t.mem.per_layer for t in terms])
-            fixed = np.array([t.mem.params_end + t.mem.working + t.mem.reserve for t in terms])
-            capacity = np.array([t.mem.capacity for t in terms])
-            splits = splits[(splits * per_layer + fixed <= capacity).all(axis=1)]
+            splits = splits[np.logical_and.reduce([t.mem.fits(splits[:, i]) for i, t in enumerate(terms)])]
             if not len(splits):
                 continue
             stats.plans_evaluated += len(splits)

@@ -13,6 +13,7 @@ from h2jax.cluster import ChipType, Cluster
 from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
 from h2jax.plan import RECOMPUTE_POLICIES, Mesh, Optimizer, Plan, Stage
 from h2jax.planner import cost_model as cm
+from h2jax.planner.memory_model import StageMemoryTerms
 from h2jax.planner.profile import Profile
 from h2jax.schedules import AUTO, Schedule, get_schedule
 
@@ -31,18 +32,19 @@ class Option:
     tensor: int
     recompute: str
     layer_s: float  # forward + backward of one layer (middle stage): the steady state's cost
-    room: float = math.inf  # bytes per chip for layers (middle stage): capacity - reserve - working
-    layer_static: float = 0.0  # bytes per layer: params, grads, optimizer state
-    layer_activation: float = 0.0  # bytes per layer per micro-batch in flight
+    # a middle stage's memory terms at one micro-batch in flight (None: not probed): the caps
+    # below are the fit test's (memory_model `fits`) at other in-flight counts
+    mem: StageMemoryTerms | None = dataclasses.field(default=None, compare=False, hash=False)
     cap1: int = 0  # max_layers(1), kept for the bounds
     tail1: float = 0.0  # dp reduce + optimizer of one layer: every stage pays at least this tail
     # one layer's share of the schedule's fill (its closed form's fill coefficients, the least
     # over pipeline positions): layer_s under 1F1B and GPipe, less under ZB-H1 and interleaved
     fill_s: float = math.nan
 
-    def max_layers(self, in_flight: float) -> int:
-        """Most layers a middle stage holds; end stages hold no more (upper bound)."""
-        return int(math.floor(self.room / (self.layer_static + in_flight * self.layer_activation) + 1e-9))
+    def max_layers(self, in_flight):
+        """Most layers a middle stage holds with `in_flight` micro-batches (elementwise for an
+        array); an end stage, or one with deferred weight gradients, holds no more (a bound)."""
+        return dataclasses.replace(self.mem, in_flight=in_flight).max_layers()
 
     @property
     def fill(self) -> float:
@@ -223,13 +225,10 @@ class Context:
                         if prune_unfit and mid.mem.max_layers() < 1:
                             continue
                         c = mid.fwd_layer + mid.bwd_layer
-                        room = mid.mem.capacity - mid.mem.reserve - mid.mem.working - mid.mem.params_end
-                        per_layer = mid.mem.layer_static + mid.mem.layer_activation
-                        cap1 = min(L, int(math.floor(room / per_layer + 1e-9)))
+                        cap1 = min(L, mid.mem.max_layers())
                         fill = min(self.fill_terms(mid, False)[0], self.fill_terms(mid, True)[0])
                         opts.append(Option(
-                            name, min(L, count // (d * t)), d, t, r, c, room, mid.mem.layer_static,
-                            mid.mem.layer_activation, cap1, mid.tail_layer, fill,
+                            name, min(L, count // (d * t)), d, t, r, c, mid.mem, cap1, mid.tail_layer, fill,
                         ))
             out.append(opts)
         self._options[key] = out

@@ -218,11 +218,8 @@ def shape_tables(
     kmax = min(max(o.stages for o in opts), L)
     j = np.arange(kmax)
     f = np.full(kmax, in_flight) if m is None else np.minimum(in_flight + j, m)
-    room = np.array([o.room for o in opts])[:, None]
-    static = np.array([o.layer_static for o in opts])[:, None]
-    act = np.array([o.layer_activation for o in opts])[:, None]
     limit = np.array([min(o.cap1, L) for o in opts])[:, None]
-    caps = np.minimum(np.floor(room / (static + f[None, :] * act) + 1e-9), limit)
+    caps = np.minimum(np.array([o.max_layers(f) for o in opts]).reshape(len(opts), kmax), limit)
     caps[j[None, :] >= np.array([o.stages for o in opts])[:, None]] = 0  # stages it does not have
     caps = np.maximum(caps, 0).astype(np.int64)
     caps[caps < 1] = 0
