@@ -11,6 +11,7 @@ pools would not survive a fork, imports do.
     nice -n 19 python benchmarks/mutation.py --modules optim,memory --survivors out.json
     nice -n 19 python benchmarks/mutation.py --keep /tmp/mut       # keep the work; run again to go on
     python benchmarks/mutation.py --keep /tmp/mut --summarize      # the figures of a run stopped early
+    nice -n 19 python benchmarks/mutation.py --modules model --sample 150   # a random sample, with its interval
 
 Prints one JSON object: per module, mutants, killed (a test failed or timed out), survived,
 no_tests (no selected test reaches the mutated function), score = killed / mutants, and the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -87,7 +89,12 @@ timeout_multiplier = 3.0
 """
 
 
-def run_module(name: str, workdir: Path, max_children: int) -> dict:
+def mutant_names(root: Path, path: str) -> list[str]:
+    return sorted(k for meta in (root / "mutants").glob(path + ".meta")
+                  for k in json.loads(meta.read_text())["exit_code_by_key"])
+
+
+def run_module(name: str, workdir: Path, max_children: int, sample: int | None = None, seed: int = 0) -> dict:
     path, tests = MODULES[name]
     if not list(REPO.glob(path)):
         return {"module": path, "error": "not in this checkout"}
@@ -98,23 +105,40 @@ def run_module(name: str, workdir: Path, max_children: int) -> dict:
         with open(root / "pyproject.toml", "a") as f:
             f.write(mutmut_config(path, tests))
     env = {**os.environ, "PYTHONPATH": ""}
+    mutmut = [shutil.which("mutmut") or "mutmut", "run", "--max-children", str(max_children)]
+    chosen = None
     t0 = time.monotonic()
-    proc = subprocess.run([shutil.which("mutmut") or "mutmut", "run", "--max-children", str(max_children)],
-                          cwd=root, env=env, capture_output=True, text=True)
+    if sample is not None:
+        # mutmut writes every mutant (and its .meta) before it runs the named ones: a first
+        # run naming none that exists generates them, then a seeded random sample runs
+        if not mutant_names(root, path):
+            subprocess.run([*mutmut, "h2jax.no_such_mutant"], cwd=root, env=env, capture_output=True, text=True)
+        names = mutant_names(root, path)
+        chosen = sorted(random.Random(seed).sample(names, min(sample, len(names))))
+        (root / "sample.json").write_text(json.dumps(chosen))  # for --summarize of a run stopped early
+        proc = subprocess.run([*mutmut, *chosen], cwd=root, env=env, capture_output=True, text=True)
+    else:
+        proc = subprocess.run(mutmut, cwd=root, env=env, capture_output=True, text=True)
     elapsed = time.monotonic() - t0
-    result = summarize(name, root, elapsed)
+    result = summarize(name, root, elapsed, chosen)
     if "error" in result:
         result["error"] += f"; mutmut exited {proc.returncode}: {proc.stdout[-1500:]} {proc.stderr[-1500:]}"
     return result
 
 
-def summarize(name: str, root: Path, elapsed: float | None = None) -> dict:
-    """The module's figures from mutmut's result files in `root` (a finished or partial run)."""
+def summarize(name: str, root: Path, elapsed: float | None = None, sample: list[str] | None = None) -> dict:
+    """The module's figures from mutmut's result files in `root` (a finished or partial run);
+    with `sample`, over those mutants only."""
     path = MODULES[name][0]
     metas = sorted((root / "mutants").glob(path + ".meta"))
     if not metas:
         return {"module": path, "error": f"no mutmut results under {root}"}
     codes = {k: v for meta in metas for k, v in json.loads(meta.read_text())["exit_code_by_key"].items()}
+    population = len(codes)
+    if sample is None and (root / "sample.json").exists():
+        sample = json.loads((root / "sample.json").read_text())
+    if sample is not None:
+        codes = {k: codes[k] for k in sample}
     by_status: dict[str, list[str]] = {}
     for mutant, code in codes.items():
         by_status.setdefault(STATUS.get(code, "suspicious"), []).append(mutant)
@@ -136,9 +160,21 @@ def summarize(name: str, root: Path, elapsed: float | None = None) -> dict:
         # a run stopped early: the score over the mutants it checked (re-run with --keep to go on)
         "score_of_checked": round(killed / checked, 4) if checked else None,
         "seconds": None if elapsed is None else round(elapsed, 1),
+        **({} if sample is None else {"sampled_of": population,
+                                       "score_95pct_interval": wilson(killed, total)}),
         "survivors": survivors,
         "_root": str(root),
     }
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
+    """The 95% Wilson interval of a score estimated from a random sample of n mutants."""
+    if n == 0:
+        return None
+    p = k / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return [round(mid - half, 4), round(mid + half, 4)]
 
 
 def survivor_diffs(result: dict) -> dict[str, str]:
@@ -157,6 +193,10 @@ def main() -> int:
     parser.add_argument("--survivors", help="write each survivor's diff to this JSON file")
     parser.add_argument("--keep", help="work in this folder and keep it (default: a temporary one, removed); "
                         "running again with the same folder continues where mutmut stopped")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="test a seeded random sample of N mutants per module (for modules whose full run "
+                             "takes hours); the score comes with its 95%% interval")
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     parser.add_argument("--summarize", action="store_true",
                         help="only read the results already in --keep (e.g. of a run stopped early)")
     args = parser.parse_args()
@@ -177,7 +217,7 @@ def main() -> int:
     results, diffs = {}, {}
     try:
         for name in names:
-            results[name] = run_module(name, workdir, args.max_children)
+            results[name] = run_module(name, workdir, args.max_children, args.sample, args.seed)
             print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('survivors', '_root')})}",
                   file=sys.stderr, flush=True)
             if args.survivors:
