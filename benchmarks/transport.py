@@ -120,12 +120,14 @@ def main() -> int:
     def iterations(nbytes: int) -> int:
         return int(min(2000, max(8, RUN_BYTES // nbytes)))
 
-    def time_raw(buf, iters) -> float:
+    def time_raw(buf, iters, source=None) -> float:
+        """Rank 0 sends `source` (default: `buf`), rank 1 receives into `buf`."""
+        source = buf if source is None else source
         comm.Barrier()
         t0 = time.perf_counter()
         if rank == 0:
             for _ in range(iters):
-                comm.Send(buf, dest=1, tag=7)
+                comm.Send(source, dest=1, tag=7)
             comm.Recv(ack, source=1, tag=8)
         else:
             for _ in range(iters):
@@ -149,20 +151,12 @@ def main() -> int:
             comm.Send(ack, dest=0, tag=8)
         return time.perf_counter() - t0
 
-    def time_raw_jax(x, buf, iters) -> float:
-        comm.Barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            data = x.addressable_data(0)
-            view = MPI.buffer.fromaddress(data.unsafe_buffer_pointer(), buf.nbytes, readonly=True)
-            for _ in range(iters):
-                comm.Send([view, MPI.BYTE], dest=1, tag=7)
-            comm.Recv(ack, source=1, tag=8)
-        else:
-            for _ in range(iters):
-                comm.Recv(buf, source=0, tag=7)
-            comm.Send(ack, dest=0, tag=8)
-        return time.perf_counter() - t0
+    def jax_bytes(x, nbytes):
+        """The JAX array's own host buffer, by address, as MPI sends it (rank 0 only)."""
+        if x is None:
+            return None
+        data = x.addressable_data(0)
+        return [MPI.buffer.fromaddress(data.unsafe_buffer_pointer(), nbytes, readonly=True), MPI.BYTE]
 
     def time_transport(transport, x, iters) -> float:
         tags = [Tag(ACT, 0, k) for k in range(iters)]  # made before the clock starts
@@ -201,7 +195,7 @@ def main() -> int:
         for _ in range(args.repeats):  # interleaved, so load changes hit all alike
             times["raw"].append(time_raw(raw_bufs[0], iters))
             times["raw_window"].append(time_raw_window(raw_bufs, iters))
-            times["raw_jax"].append(time_raw_jax(x, raw_bufs[0], iters))
+            times["raw_jax"].append(time_raw(raw_bufs[0], iters, jax_bytes(x, nbytes)))
             for name, t in transports.items():
                 times[name].append(time_transport(t, x, iters))
         best_raw = [min(a, b) for a, b in zip(times["raw"], times["raw_window"])]
