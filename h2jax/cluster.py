@@ -66,6 +66,26 @@ class Kernels:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EfficiencyCurve:
+    """Fraction of dense peak a layer's matmuls reach on `tokens` tokens per device and a layer
+    width `width` per device (h2jax.planner.cost_model.efficiency):
+
+        eff(n, w) = max * n/(n + half_tokens) * w/(w + half_width)
+
+    A chip file's [efficiency] table sets it (defaults: the curve below); a measured profile's
+    fit replaces it."""
+
+    max: float = 0.75
+    half_tokens: float = 256.0
+    half_width: float = 256.0
+
+
+# Defaults of the optional chip-file figures (docs/planner.md, "Chip figures"):
+MACHINE_BALANCE = 200.0  # FLOP per HBM byte: hbm_gbps = peak / MACHINE_BALANCE when a file gives none
+DEFAULT_DISPATCH_US = 50.0  # host dispatch of one compiled stage program (one stage, one micro-batch)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ChipType:
     name: str
     platform: str
@@ -79,6 +99,33 @@ class ChipType:
     emulate: Emulation | None = None
     precision: Precision = Precision()
     kernels: Kernels = Kernels()
+    # Optional figures (None: the documented default, see the properties below).
+    hbm_gbps: float | None = None  # memory bandwidth, GB/s: memory-bound work and the optimizer
+    nics_per_node: int | None = None  # NICs sharing inter-node traffic; inter_node_gbps is per NIC
+    dispatch_us: float | None = None  # fixed host cost of one stage compute (F or B of a micro-batch)
+    efficiency: EfficiencyCurve = EfficiencyCurve()
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """HBM bandwidth in bytes/s: the file's hbm_gbps, else peak / MACHINE_BALANCE."""
+        if self.hbm_gbps is not None:
+            return self.hbm_gbps * 1e9
+        return self.peak_tflops * 1e12 / MACHINE_BALANCE
+
+    @property
+    def nics(self) -> int:
+        """NICs per node: the file's nics_per_node, else one per chip."""
+        return self.nics_per_node if self.nics_per_node is not None else self.chips_per_node
+
+    @property
+    def dispatch_s(self) -> float:
+        return (self.dispatch_us if self.dispatch_us is not None else DEFAULT_DISPATCH_US) * 1e-6
+
+    def inter_node_share_gbps(self, chips_on_node: int) -> float:
+        """Inter-node GB/s each of `chips_on_node` chips of one node gets when all of them send
+        at once over the node's NICs: min(one NIC, nics x NIC / chips)."""
+        k = max(1, min(chips_on_node, self.chips_per_node))
+        return min(self.inter_node_gbps, self.nics * self.inter_node_gbps / k)
 
     @property
     def attention_kernel(self) -> str:
@@ -169,6 +216,33 @@ def _kernels(raw: Mapping[str, Any], where: str) -> Kernels:
     return Kernels(attention=attention)
 
 
+def _efficiency(raw: Mapping[str, Any], where: str) -> EfficiencyCurve:
+    known = tuple(f.name for f in dataclasses.fields(EfficiencyCurve))
+    table = _table(raw, "efficiency", where, known)
+    values = {k: _positive(table, k, f"{where}: [efficiency]", "a number") for k in known if k in table}
+    if values.get("max", 0.75) > 1.0:
+        raise ConfigError(f"{where}: efficiency.max must be <= 1 (a fraction of peak), got {values['max']!r}")
+    return EfficiencyCurve(**values)
+
+
+def _optional_figures(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """hbm_gbps, nics_per_node, dispatch_us: optional; refused when present and invalid."""
+    out: dict[str, Any] = {}
+    if "hbm_gbps" in raw:
+        out["hbm_gbps"] = _positive(raw, "hbm_gbps", where, "GB/s of memory bandwidth")
+    if "dispatch_us" in raw:
+        v = raw["dispatch_us"]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ConfigError(f"{where}: dispatch_us must be a finite number >= 0 (microseconds), got {v!r}")
+        out["dispatch_us"] = float(v)
+    if "nics_per_node" in raw:
+        v = raw["nics_per_node"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{where}: nics_per_node must be an integer >= 1, got {v!r}")
+        out["nics_per_node"] = v
+    return out
+
+
 def chip_from_dict(name: str, raw: Mapping[str, Any], where: str) -> ChipType:
     missing = [k for k in _CHIP_REQUIRED if k not in raw]
     if missing:
@@ -210,6 +284,8 @@ def chip_from_dict(name: str, raw: Mapping[str, Any], where: str) -> ChipType:
         emulate=emulate,
         precision=precision,
         kernels=_kernels(raw, where),
+        efficiency=_efficiency(raw, where),
+        **_optional_figures(raw, where),
     )
 
 
@@ -234,7 +310,7 @@ def load_chip(name: str, directory: Path | None = None) -> ChipType:
 # ----------------------------------------------------------------------------- clusters
 
 # Per-group fields that may override the chip file (a site's nodes can differ from the sheet).
-_GROUP_OVERRIDES = ("chips_per_node", "intra_node_gbps", "inter_node_gbps")
+_GROUP_OVERRIDES = ("chips_per_node", "intra_node_gbps", "inter_node_gbps", "nics_per_node")
 _GROUP_KEYS = ("chip", "count", "hosts", "hostfile") + _GROUP_OVERRIDES
 
 
@@ -337,13 +413,13 @@ def cluster_from_dict(raw: Mapping[str, Any], where: str, directory: Path | None
         for key in _GROUP_OVERRIDES:
             if key in g:
                 value = g[key]
-                if key == "chips_per_node":
+                if key in ("chips_per_node", "nics_per_node"):
                     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                        raise ConfigError(f"{gw}.chips_per_node must be an integer >= 1, got {value!r}")
+                        raise ConfigError(f"{gw}.{key} must be an integer >= 1, got {value!r}")
                 elif (not isinstance(value, (int, float)) or isinstance(value, bool)
                       or not math.isfinite(value) or value <= 0):
                     raise ConfigError(f"{gw}.{key} must be a positive, finite number (GB/s per chip), got {value!r}")
-                overrides[key] = type(getattr(chip, key))(value)
+                overrides[key] = int(value) if key == "nics_per_node" else type(getattr(chip, key))(value)
         if overrides:
             chip = dataclasses.replace(
                 chip, source=f"{chip.source}; overridden by {where}: {sorted(overrides)}", **overrides

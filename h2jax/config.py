@@ -19,7 +19,8 @@ class ModelConfig:
     """A LLaMA-style decoder-only transformer.
 
     `n_kv_heads < n_heads` gives grouped-query attention. The input embedding and
-    the output head are separate (untied) matrices.
+    the output head are separate (untied) matrices unless `tie_embeddings`: then the head is
+    the embedding's transpose (one V x d matrix; the planner prices it, docs/planner.md).
     """
 
     vocab_size: int
@@ -31,8 +32,11 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -65,9 +69,9 @@ class ModelConfig:
         return attn + mlp + 2 * d
 
     def param_count(self) -> int:
-        """All parameters: embedding, blocks, final norm and untied output head."""
+        """All parameters: embedding, blocks, final norm and output head (none when tied)."""
         return (
-            self.vocab_size * self.d_model * 2
+            self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
             + self.n_layers * self.layer_param_count()
             + self.d_model
         )

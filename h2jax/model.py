@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from h2jax.config import ATTENTION_BLOCK, ATTENTION_KERNELS, ModelConfig
+from h2jax.config import ATTENTION_BLOCK, ATTENTION_KERNELS, ConfigError, ModelConfig
 
 
 def layer_name(i: int) -> str:
@@ -210,6 +210,12 @@ class StageModel(nnx.Module):
     ):
         """`attention`: the attention kernel every block runs (config.ATTENTION_KERNELS);
         parameters and the function computed do not depend on it."""
+        if cfg.tie_embeddings:
+            raise ConfigError(
+                "model.tie_embeddings: the planner prices tied embeddings, but this model keeps a "
+                "separate embedding and output head (training them tied across stages is not built); "
+                "train with tie_embeddings false"
+            )
         root = jax.random.key(seed)
         # Selective recomputation: each block saves only what `remat_policy` allows.
         self.remat_policy = remat_policy

@@ -455,21 +455,23 @@ def test_kills_planner_cost_stage_terms_by_hand(recompute):
     mm_s = 16 * 2 * 1920 / 2 / rate
     attn_s = 16 * 512 / 2 / rate + 16 * 384 / 2 / 5e9  # FLOPs, and the scores through HBM at peak/200
     tp_ar = 512 / 1e10 + 2 * 5e-6  # n*d*a bytes over 2 chips, intra-node
-    recompute_s = {"none": 0.0, "selective": attn_s, "full": mm_s + attn_s}[recompute]
-    assert t.fwd_layer == pytest.approx(mm_s + attn_s + 2 * tp_ar, rel=1e-12)
-    assert t.bwd_layer == pytest.approx(2 * mm_s + 2 * attn_s + recompute_s
+    mem_s = 16 * cm.memory_bound_bytes_per_token(_MM_CFG, 2, 2) / 5e9  # element-wise work at peak/200
+    recompute_s = {"none": 0.0, "selective": attn_s, "full": mm_s + attn_s + mem_s}[recompute]
+    assert t.fwd_layer == pytest.approx(mm_s + attn_s + mem_s + 2 * tp_ar, rel=1e-12)
+    assert t.bwd_layer == pytest.approx(2 * mm_s + 2 * attn_s + 2 * mem_s + recompute_s
                                         + (4 if recompute == "full" else 2) * tp_ar, rel=1e-12)
     assert t.bwd_weight_layer == pytest.approx(mm_s, rel=1e-12)
     logit_s = 16 * 2 * 16 * 64 / 2 / rate
-    assert t.fwd_end == pytest.approx(tp_ar + logit_s, rel=1e-12)
-    assert t.bwd_end == pytest.approx(2 * logit_s + tp_ar, rel=1e-12)
+    dispatch = 50e-6  # the default fixed cost of one stage compute
+    assert t.fwd_end == pytest.approx(tp_ar + logit_s + dispatch, rel=1e-12)
+    assert t.bwd_end == pytest.approx(2 * logit_s + tp_ar + dispatch, rel=1e-12)
     assert t.bwd_weight_end == pytest.approx(logit_s, rel=1e-12)
     # data x tensor = 4 chips > 2 per node: the gradient all-reduce crosses nodes (1 GB/s)
     assert t.dp_layer == pytest.approx(4 * 1952 / 2 / 1e9, rel=1e-9)
     assert t.dp_end == pytest.approx(4 * 2064 / 2 / 1e9 + 2 * 5e-6, rel=1e-9)
     opt = 28 / 5e9 / 4  # AdamW's bytes per owned parameter, sharded over data x tensor
     assert t.tail_layer == pytest.approx(t.dp_layer + opt * 1952, rel=1e-12)
-    assert t.tail_end == pytest.approx(t.dp_end + opt * 2064, rel=1e-12)
+    assert t.tail_end == pytest.approx(t.dp_end + opt * 2064 + dispatch, rel=1e-12)
     assert t.fwd(3) == pytest.approx(3 * t.fwd_layer + t.fwd_end) and t.bwd(2) == pytest.approx(2 * t.bwd_layer + t.bwd_end)
     assert t.tail(2) == pytest.approx(2 * t.tail_layer + t.tail_end)
     assert t.mem.in_flight == 3
@@ -482,9 +484,11 @@ def test_kills_planner_cost_middle_stage_sgd_unsharded_cudnn_by_hand():
     n = 16
     rate = 1e12 * 0.75 * n / (n + 256) * 16 / (16 + 256)
     attn_s = n * 4 * 8 * 16 / rate  # 8 positions: one tile, every key
-    assert t.fwd_layer == pytest.approx(n * 2 * 1920 / rate + attn_s, rel=1e-12)  # no tensor all-reduce
-    assert t.bwd_layer == pytest.approx(2 * n * 2 * 1920 / rate + 2.5 * attn_s, rel=1e-12)
-    assert t.fwd_end == t.bwd_end == t.bwd_weight_end == 0.0 and t.dp_layer == 0.0 and t.dp_end == 0.0
+    mem_s = n * cm.memory_bound_bytes_per_token(_MM_CFG, 1, 2) / 5e9
+    assert t.fwd_layer == pytest.approx(n * 2 * 1920 / rate + attn_s + mem_s, rel=1e-12)  # no tensor all-reduce
+    assert t.bwd_layer == pytest.approx(2 * n * 2 * 1920 / rate + 2.5 * attn_s + 2 * mem_s, rel=1e-12)
+    assert t.fwd_end == t.bwd_end == pytest.approx(50e-6)  # only the dispatch on a middle stage
+    assert t.bwd_weight_end == 0.0 and t.dp_layer == 0.0 and t.dp_end == 0.0
     assert t.tail_layer == pytest.approx(12 / 5e9 * 1952, rel=1e-12)
 
 

@@ -92,13 +92,15 @@ def test_layer_time_is_flops_over_peak_times_efficiency():
     rate = 2e12 * 0.75 * n / (n + 256) * 64 / (64 + 256)
     # the XLA attention's scores through HBM: f32 logits + f32 probabilities, written and read
     scores = n * 4 * s * (8 + 2 * 4) / (2e12 / cm.MACHINE_BALANCE)
-    assert t.fwd_layer == pytest.approx(flops / rate + scores, rel=1e-12)
-    assert t.bwd_layer == pytest.approx(2 * flops / rate + 2 * scores, rel=1e-12)
+    # element-wise work (norms, residuals, rotary, SwiGLU) at HBM bandwidth, backward twice it
+    mem = n * 4 * (10 * 64 + 2 * (4 + 2) * 16 + 3 * 128) / (2e12 / cm.MACHINE_BALANCE)
+    assert t.fwd_layer == pytest.approx(flops / rate + scores + mem, rel=1e-12)
+    assert t.bwd_layer == pytest.approx(2 * flops / rate + 2 * scores + 2 * mem, rel=1e-12)
     assert t.bwd_weight_layer == pytest.approx(n * 2 * p_mm / rate, rel=1e-12)
     full = cm.stage_terms(TINY, s, b, c, 1, 1, "full", False, False, 1)
-    assert full.bwd_layer == pytest.approx(3 * flops / rate + 3 * scores, rel=1e-12)
+    assert full.bwd_layer == pytest.approx(3 * flops / rate + 3 * scores + 3 * mem, rel=1e-12)
     sel = cm.stage_terms(TINY, s, b, c, 1, 1, "selective", False, False, 1)
-    assert sel.bwd_layer == pytest.approx((2 * flops + n * 4 * s * 64) / rate + 3 * scores, rel=1e-12)
+    assert sel.bwd_layer == pytest.approx((2 * flops + n * 4 * s * 64) / rate + 3 * scores + 2 * mem, rel=1e-12)
 
 
 def test_tensor_parallel_pays_ring_all_reduces_on_the_right_link():
@@ -111,9 +113,13 @@ def test_tensor_parallel_pays_ring_all_reduces_on_the_right_link():
     rate1 = 1e12 * cm.efficiency(n, 64)
     rate2 = 1e12 * cm.efficiency(n, 32)
     scores = n * 4 * s * (8 + 2 * 4) / (1e12 / cm.MACHINE_BALANCE)  # HBM time: split over T, no efficiency
-    assert t2.fwd_layer == pytest.approx((t1.fwd_layer - scores) * rate1 / rate2 / 2 + scores / 2 + 2 * ar, rel=1e-12)
+    hbm = 1e12 / cm.MACHINE_BALANCE  # element-wise work: norms and residuals replicated, the rest split
+    mem1 = n * 4 * (10 * 64 + 2 * (4 + 2) * 16 + 3 * 128) / hbm
+    mem2 = n * 4 * (10 * 64 + (2 * (4 + 2) * 16 + 3 * 128) / 2) / hbm
+    assert t2.fwd_layer == pytest.approx(
+        (t1.fwd_layer - scores - mem1) * rate1 / rate2 / 2 + scores / 2 + mem2 + 2 * ar, rel=1e-12)
     assert t2.bwd_layer == pytest.approx(
-        (t1.bwd_layer - 2 * scores) * rate1 / rate2 / 2 + scores + 2 * ar, rel=1e-12
+        (t1.bwd_layer - 2 * scores - 2 * mem1) * rate1 / rate2 / 2 + scores + 2 * mem2 + 2 * ar, rel=1e-12
     )
     # tensor beyond a node pays the inter-node bandwidth
     c1 = dataclasses.replace(c, chips_per_node=1)
@@ -260,7 +266,7 @@ def test_unknown_stage_chip_in_stage_costs():
 
 
 def test_profile_replaces_analytical_layer_times(tmp_path):
-    c = chip("cpu")
+    c = dataclasses.replace(chip("cpu"), dispatch_us=0.0)  # no dispatch to take out of an entry
     prof = Profile(TINY, 32, {"cpu": (
         ProfileEntry(1, 64, 0.010, 0.020), ProfileEntry(1, 128, 0.018, 0.036, activation_bytes=1000),
         ProfileEntry(1, 128, 0.018, 0.050, recompute="full"),

@@ -19,20 +19,35 @@ four). The weight-gradient share is n * 2*P_mm / T. Recomputation adds work to t
 core only) adds the attention core's forward. Kernels that put the scores in memory (XLA,
 blocked) also move them through HBM: n*h*s*(8 + 2a)/T bytes per forward (f32 logits written
 and read, probabilities in the compute dtype written and read), the backward the same
-multiple of that as of the FLOPs, at the HBM bandwidth below (peak / MACHINE_BALANCE).
-Time = FLOPs / (peak * efficiency(n, d/T)) + score bytes / HBM bandwidth, with
+multiple of that as of the FLOPs, at the chip's HBM bandwidth (`hbm_gbps`; without it
+peak / MACHINE_BALANCE). The layer's element-wise work (two RMSNorms, two residual adds,
+rotary on q and k, the SwiGLU product) is memory-bound too:
 
-    efficiency(n, w) = E_MAX * n/(n + N_HALF) * w/(w + W_HALF)
+    mem_s = n * a * (10*d + (2*(h+g)*e + 3*F)/T) / hbm      (memory_bound_bytes_per_token)
+
+in the forward, MEMORY_BOUND_BACKWARD = 2 times it in the backward (plus one forward's
+worth when the backward recomputes the whole forward).
+Time = FLOPs / (peak * efficiency(n, d/T)) + score bytes / HBM + mem_s, with the chip's curve
+
+    efficiency(n, w) = max * n/(n + half_tokens) * w/(w + half_width)
 
 Small per-device matmuls (few tokens, or a layer width cut thin by tensor parallelism)
 leave a chip's matrix units idle and become memory- and launch-bound; large ones approach
 the 60-75% of dense peak that well-tuned LLM training reaches on every vendor's chip. The
-curve is a saturating fit with E_MAX = 0.75 and half-efficiency at 256 tokens and width 256;
-a measured profile replaces it (see profile.py).
+default curve (a chip file's [efficiency] table overrides it) is a saturating fit with
+max = 0.75 and half-efficiency at 256 tokens and width 256; a profile's fit replaces it
+(profile.py), and a profile's measured layer times replace the whole per-layer formula.
+
+Every stage compute (a micro-batch's forward, its backward, the step's update) pays a fixed
+host cost, the chip's `dispatch_us` (default 50 us): fwd_end, bwd_end and tail_end each
+carry one, so over (m + p - 1) slots of a uniform 1F1B pipeline the step grows by
+(2*(m + p - 1) + 1) * dispatch.
 
 Tensor parallelism (Megatron, no sequence parallelism): two all-reduces of n*d activations
 per layer forward and two backward (two more if the backward recomputes the forward), as a
-ring on intra-node bandwidth (inter-node if T exceeds chips_per_node):
+ring on intra-node bandwidth (if T exceeds chips_per_node: each chip's share of its node's
+NICs, inter_node_share = min(inter_node_gbps, nics_per_node * inter_node_gbps / chips on
+the node)):
 
     allreduce(bytes, k, bw) = 2*(k-1)/k * bytes/bw + 2*(k-1)*ALPHA
 
@@ -44,15 +59,21 @@ Stage-to-stage transfer (the MPI transport's topology-aware resharding): one mic
 activation, b*s*d*bytes, crosses the link once; each receiving data-parallel group gets its
 slice split over its tensor ranks, each sending group spreads its slice over its ranks, so
 
-    send_s = max(bytes/(D_s*T_s*bw_s), bytes/(D_r*T_r*bw_r))     (inter-node bandwidths)
+    send_s = max(bytes/(D_s*T_s*bw_s), bytes/(D_r*T_r*bw_r))
 
-and the activation gradient goes back with the same bytes and time.
+with bw the intra-node bandwidth when the two stages share a node (`same_node`: the same
+chip type, and D_s*T_s + D_r*T_r <= chips_per_node), else each end's inter-node share
+(all of a stage's chips on a node send at once). The activation gradient goes back with
+the same bytes and time.
 
 Once per iteration: the data-parallel all-reduce of the stage's f32 gradients over D chips
 (ZeRO-1's reduce-scatter + all-gather move the same bytes), and the optimizer step, which is
 memory-bound: 28 bytes per owned parameter for AdamW (read p, g, m, v; write p, m, v),
-12 for SGD, at an HBM bandwidth estimated as peak / MACHINE_BALANCE (chip files carry no
-HBM figure; 200 FLOP/byte is within 2x of every shipped chip's sheet).
+12 for SGD, at the chip's HBM bandwidth. The data-parallel ring runs at intra-node
+bandwidth when D*T chips fit a node, else at the inter-node share. Tied embeddings
+(model.tie_embeddings) add, on the first and last stage of a multi-stage pipeline, a
+two-party all-reduce of the f32 V*d/T embedding-gradient shard at the stage's inter-node
+share (`tied_embedding_s`).
 
 Iteration time: each schedule's closed form (h2jax/schedules/, `ClosedForm`), over the
 per-stage times above (t_i = f_i + b_i, w_i the weight-gradient part of b_i, c_i = send_i +
@@ -71,7 +92,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from h2jax.cluster import ChipType, Cluster
+from h2jax.cluster import MACHINE_BALANCE, ChipType, Cluster, EfficiencyCurve
 from h2jax.config import CUDNN_TILE, ConfigError, ModelConfig, causal_keys_per_query
 from h2jax.plan import Optimizer, Plan
 from h2jax.planner import memory_model as mm
@@ -79,12 +100,13 @@ from h2jax.planner.profile import Profile
 from h2jax.planner.stage_cost import StageCost
 from h2jax.schedules import bubble_fraction as _bubble, get_schedule
 
-E_MAX = 0.75
-N_HALF = 256.0  # tokens per device at which the token factor of efficiency is one half
-W_HALF = 256.0  # per-device layer width (d_model / tensor) at which the width factor is one half
+DEFAULT_CURVE = EfficiencyCurve()
+E_MAX = DEFAULT_CURVE.max
+N_HALF = DEFAULT_CURVE.half_tokens  # tokens per device at which the token factor of efficiency is one half
+W_HALF = DEFAULT_CURVE.half_width  # per-device layer width (d_model / tensor) at which the width factor is one half
 ALPHA_S = 5e-6  # per-step latency of a ring collective
 LINK_LATENCY_S = 1e-5  # fixed latency of one stage-to-stage send
-MACHINE_BALANCE = 200.0  # FLOP per byte of HBM, to estimate HBM bandwidth from peak FLOP/s
+MEMORY_BOUND_BACKWARD = 2.0  # backward HBM bytes of the element-wise work per forward byte
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 28, "sgd": 12}
 GRAD_BYTES = 4  # gradients accumulate in f32
 
@@ -97,9 +119,50 @@ def dtype_bytes(name: str) -> int:
     return DTYPE_BYTES[name]
 
 
-def efficiency(tokens: float, width: float) -> float:
-    """Fraction of dense peak a layer's matmuls reach; see the module docstring."""
-    return E_MAX * tokens / (tokens + N_HALF) * width / (width + W_HALF)
+def efficiency(tokens: float, width: float, curve: EfficiencyCurve = DEFAULT_CURVE) -> float:
+    """Fraction of dense peak a layer's matmuls reach (the chip's curve); see the module docstring."""
+    return curve.max * tokens / (tokens + curve.half_tokens) * width / (width + curve.half_width)
+
+
+def memory_bound_bytes_per_token(model: ModelConfig, tensor: int, act_bytes: int) -> float:
+    """HBM bytes one layer's element-wise work moves per token in its forward, per device:
+    two RMSNorms (read and write d each, 4d), two residual adds (read 2d, write d each, 6d),
+    both replicated over the tensor ranks; rotary on q and k (read and write (h+g)*e) and the
+    SwiGLU product silu(gate)*up (read 2F, write F), split over them. The attention scores'
+    softmax is counted with the attention core (attention_score_bytes_per_token)."""
+    d, h, g, e, F = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff
+    return act_bytes * (10.0 * d + (2.0 * (h + g) * e + 3.0 * F) / tensor)
+
+
+def same_node(sender: ChipType, s_chips: int, receiver: ChipType, r_chips: int) -> bool:
+    """Two adjacent stages share a node when they run on the same chip type and their chips
+    fit in one node together (a node holds chips of one type; the launcher fills nodes in
+    pipeline order)."""
+    return sender.name == receiver.name and s_chips + r_chips <= sender.chips_per_node
+
+
+def collective_gbps(chip: ChipType, chips: int) -> float:
+    """GB/s per chip of a collective over `chips` chips of one stage: intra-node when they fit
+    in one node, else each node's share of its NICs (chip.inter_node_share_gbps)."""
+    if chips <= chip.chips_per_node:
+        return chip.intra_node_gbps
+    return chip.inter_node_share_gbps(chips)
+
+
+def tied_embedding_s(model: ModelConfig, chip: ChipType, tensor: int, first: bool, last: bool) -> float:
+    """Seconds of the tied embedding's extra gradient all-reduce on a first or last stage of a
+    multi-stage pipeline (0 otherwise): after the data-parallel reduction each tensor rank
+    exchanges its f32 shard of the V x d gradient with the other end, a two-party all-reduce
+    at the stage's inter-node share (the two ends are taken to be on different nodes)."""
+    if not model.tie_embeddings or first == last:
+        return 0.0
+    nbytes = GRAD_BYTES * model.vocab_size * model.d_model / tensor
+    return allreduce_s(nbytes, 2, chip.inter_node_share_gbps(tensor))
+
+
+def calibrated(chip: ChipType, profile: Profile | None) -> ChipType:
+    """The chip with a profile's fitted figures (efficiency curve, dispatch, HBM, bandwidths)."""
+    return profile.apply_fits(chip) if profile is not None else chip
 
 
 def allreduce_s(nbytes: float, k: int, gbps: float) -> float:
@@ -202,15 +265,17 @@ def stage_terms(
     options: CostOptions = CostOptions(),
     deferred: int = 0,
 ) -> StageTerms:
+    chip = calibrated(chip, profile)
     d, V = model.d_model, model.vocab_size
     tokens = micro_batch / data * seq_len
     act_bytes = dtype_bytes(chip.precision.compute_dtype)
-    rate = chip.peak_tflops * 1e12 * efficiency(tokens, d / tensor)
-    tp_gbps = chip.intra_node_gbps if tensor <= chip.chips_per_node else chip.inter_node_gbps
-    tp_ar = allreduce_s(tokens * d * act_bytes, tensor, tp_gbps)
+    rate = chip.peak_tflops * 1e12 * efficiency(tokens, d / tensor, chip.efficiency)
+    tp_ar = allreduce_s(tokens * d * act_bytes, tensor, collective_gbps(chip, tensor))
 
     kernel = chip.attention_kernel
-    hbm = chip.peak_tflops * 1e12 / MACHINE_BALANCE
+    hbm = chip.hbm_bytes_per_s
+    dispatch = chip.dispatch_s
+    mem_s = tokens * memory_bound_bytes_per_token(model, tensor, act_bytes) / hbm
     mm_flops = tokens * 2.0 * matmul_params(model) / tensor
     attn_flops = tokens * attention_flops_per_token(model, seq_len, kernel) / tensor
     attn_s = attn_flops / rate + tokens * attention_score_bytes_per_token(model, seq_len, kernel, act_bytes) / tensor / hbm
@@ -221,23 +286,26 @@ def stage_terms(
     entry = profile.lookup(chip.name, tensor, int(round(tokens)), recompute) if profile else None
     measured_act: int | None = None
     if entry is not None:
-        fwd_layer = entry.forward_s
-        bwd_plain = entry.backward_s
+        # An entry times a one-layer stage: one dispatch is inside it, the stage pays one.
+        fwd_layer = per_layer_of_entry(entry.forward_s, dispatch)
+        bwd_plain = per_layer_of_entry(entry.backward_s, dispatch)
         if entry.recompute != recompute:  # measured without it: add the recomputed forward share
-            bwd_plain += entry.forward_s * recompute_flops / fwd_flops
+            bwd_plain += fwd_layer * recompute_flops / fwd_flops
         bwd_layer = bwd_plain
         bwd_weight_layer = bwd_layer * mm_flops / (2.0 * fwd_flops + recompute_flops)
         if entry.recompute == recompute:
             measured_act = entry.activation_bytes
     else:
-        fwd_layer = mm_flops / rate + attn_s + 2 * tp_ar
+        fwd_layer = mm_flops / rate + attn_s + mem_s + 2 * tp_ar
         bwd_layer = (
             2.0 * mm_flops / rate + ATTENTION_BACKWARD[kernel] * attn_s + recompute_s
+            + MEMORY_BOUND_BACKWARD * mem_s + (mem_s if recompute == "full" else 0.0)
             + (4 if recompute == "full" else 2) * tp_ar
         )
         bwd_weight_layer = mm_flops / rate
 
-    fwd_end = bwd_end = bwd_weight_end = 0.0
+    # A fixed host cost per compute: each micro-batch's forward and backward on every stage.
+    fwd_end, bwd_end, bwd_weight_end = dispatch, dispatch, 0.0
     if first:  # vocab-parallel embedding: a gather and one all-reduce
         fwd_end += tp_ar
     if last:  # final norm + vocab-parallel head + loss
@@ -247,15 +315,16 @@ def stage_terms(
         bwd_weight_end += logit_flops / rate
 
     end_params = mm.end_params(model, first, last)
-    dp_gbps = chip.intra_node_gbps if data * tensor <= chip.chips_per_node else chip.inter_node_gbps
+    dp_gbps = collective_gbps(chip, data * tensor)
     dp_layer = allreduce_s(GRAD_BYTES * model.layer_param_count() / tensor, data, dp_gbps) - (
         allreduce_s(0.0, data, dp_gbps)
     )
     dp_end = allreduce_s(GRAD_BYTES * end_params / tensor, data, dp_gbps)
+    dp_end += tied_embedding_s(model, chip, tensor, first, last)
     owned = tensor * (data if options.shard_optimizer else 1)
     opt_per_param = OPTIMIZER_BYTES_PER_PARAM[options.optimizer] / hbm / owned
     tail_layer = dp_layer + opt_per_param * model.layer_param_count()
-    tail_end = dp_end + opt_per_param * end_params
+    tail_end = dp_end + opt_per_param * end_params + dispatch  # the update is one more program
 
     mem = mm.stage_memory_terms(
         model, seq_len, micro_batch, chip, data, tensor, recompute, first, last, in_flight,
@@ -267,17 +336,28 @@ def stage_terms(
     )
 
 
+def per_layer_of_entry(seconds: float, dispatch: float) -> float:
+    """A profile entry's one-layer-stage time less the stage's dispatch, floored at a tenth of
+    the entry (a dispatch figure larger than the measurement is taken to be wrong)."""
+    return max(seconds - dispatch, 0.1 * seconds)
+
+
 def send_terms(
     model: ModelConfig, seq_len: int, micro_batch: int,
     sender: ChipType, s_data: int, s_tensor: int,
-    receiver: ChipType, r_data: int, r_tensor: int,
+    receiver: ChipType, r_data: int, r_tensor: int, profile: Profile | None = None,
 ) -> tuple[float, int]:
-    """(seconds, bytes) of one micro-batch's activation from one stage to the next."""
+    """(seconds, bytes) of one micro-batch's activation from one stage to the next: over the
+    intra-node links when the two stages share a node (`same_node`), else each end's share
+    of its node's NICs."""
+    sender, receiver = calibrated(sender, profile), calibrated(receiver, profile)
     nbytes = micro_batch * seq_len * model.d_model * dtype_bytes(sender.precision.compute_dtype)
-    seconds = max(
-        nbytes / (s_data * s_tensor * sender.inter_node_gbps * 1e9),
-        nbytes / (r_data * r_tensor * receiver.inter_node_gbps * 1e9),
-    )
+    s_chips, r_chips = s_data * s_tensor, r_data * r_tensor
+    if same_node(sender, s_chips, receiver, r_chips):
+        s_gbps, r_gbps = sender.intra_node_gbps, receiver.intra_node_gbps
+    else:
+        s_gbps, r_gbps = sender.inter_node_share_gbps(s_chips), receiver.inter_node_share_gbps(r_chips)
+    seconds = max(nbytes / (s_chips * s_gbps * 1e9), nbytes / (r_chips * r_gbps * 1e9))
     return seconds, nbytes
 
 
@@ -351,7 +431,7 @@ def stage_costs(
             nxt = plan.stages[(i + 1) % p]
             send_s, send_bytes = send_terms(
                 plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
-                chips[nxt.chip], nxt.mesh.data, nxt.mesh.tensor,
+                chips[nxt.chip], nxt.mesh.data, nxt.mesh.tensor, profile,
             )
             latency = LINK_LATENCY_S
         else:

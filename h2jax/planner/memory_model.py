@@ -53,10 +53,13 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 def end_params(model: ModelConfig, first: bool, last: bool) -> int:
-    """Parameters outside the transformer blocks that a stage holds."""
-    return (model.vocab_size * model.d_model if first else 0) + (
-        model.vocab_size * model.d_model + model.d_model if last else 0
-    )
+    """Parameters outside the transformer blocks that a stage holds: the embedding on the
+    first stage, the final norm and head on the last. Tied embeddings are held once when the
+    first stage is also the last, else one copy on each end."""
+    table = model.vocab_size * model.d_model
+    if model.tie_embeddings and first and last:
+        return table + model.d_model
+    return (table if first else 0) + (table + model.d_model if last else 0)
 
 
 def layer_activation_bytes(

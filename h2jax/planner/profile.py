@@ -20,10 +20,22 @@ File format (JSON, `format_version` 1)::
            "activation_bytes": 1234567890},
           ...
         ]
+      },
+      "fits": {                        # optional: figures fitted per chip type
+        "nvidia-h100": {"hbm_gbps": 2900.0, "dispatch_us": 40.0,
+                        "efficiency": {"max": 0.7, "half_tokens": 300.0, "half_width": 200.0},
+                        "intra_node_gbps": 400.0, "inter_node_gbps": 45.0}
       }
     }
 
-One entry is one transformer layer of the model on one device of a `(data, tensor)` mesh:
+`fits` replaces the chip file's figures of the same names for that chip type, everywhere
+the cost model reads them (`Profile.apply_fits`): `h2jax profile` fits the matmul
+efficiency curve against size, the per-micro-batch dispatch overhead and the memory-bound
+throughput; `h2jax calibrate` fits them (and the stage-to-stage bandwidths) from a run.
+
+One entry is one transformer layer of the model on one device of a `(data, tensor)` mesh,
+timed as a one-layer stage (so one stage dispatch is inside it; the cost model subtracts the
+chip's dispatch per layer and adds one per stage):
 
 - `tensor`: the mesh's tensor-parallel size.
 - `tokens`: micro-batch tokens per device, i.e. (micro_batch / data) * seq_len.
@@ -49,10 +61,13 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from h2jax.cluster import ChipType, EfficiencyCurve
 from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
 
 PROFILE_FORMAT_VERSION = 1
 _POLICIES = ("none", "selective", "full")
+# Chip-file figures a profile's `fits` may replace (positive numbers; efficiency a table).
+FIT_FIELDS = ("hbm_gbps", "dispatch_us", "intra_node_gbps", "inter_node_gbps", "efficiency")
 
 
 class ProfileError(ConfigError):
@@ -82,6 +97,17 @@ class Profile:
     chips: Mapping[str, tuple[ProfileEntry, ...]]
     source: str = ""
     model_name: str | None = None
+    fits: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def apply_fits(self, chip: ChipType) -> ChipType:
+        """`chip` with this profile's fitted figures for its type (unchanged if none)."""
+        fit = self.fits.get(chip.name)
+        if not fit:
+            return chip
+        values = dict(fit)
+        if "efficiency" in values:
+            values["efficiency"] = EfficiencyCurve(**values["efficiency"])
+        return dataclasses.replace(chip, **values)
 
     def entries(self, chip: str, tensor: int, recompute: str) -> list[ProfileEntry]:
         """Entries for one (chip, tensor, recompute), sorted by tokens."""
@@ -117,6 +143,7 @@ class Profile:
             "seq_len": self.seq_len,
             "source": self.source,
             "chips": {c: [e.to_dict() for e in es] for c, es in self.chips.items()},
+            **({"fits": {c: dict(f) for c, f in self.fits.items()}} if self.fits else {}),
         }
 
 
@@ -171,6 +198,31 @@ def _entry_from_dict(raw: Any, where: str) -> ProfileEntry:
     )
 
 
+def _fit_from_dict(raw: Any, where: str) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"{where} must be an object with some of {', '.join(FIT_FIELDS)}")
+    unknown = sorted(set(raw) - set(FIT_FIELDS))
+    if unknown:
+        raise ProfileError(f"{where}: unknown field(s) {unknown}; known fields: {list(FIT_FIELDS)}")
+    out: dict[str, Any] = {}
+    for key, v in raw.items():
+        if key == "efficiency":
+            curve_keys = ("max", "half_tokens", "half_width")
+            if not isinstance(v, Mapping) or set(v) != set(curve_keys):
+                raise ProfileError(f"{where}.efficiency must be an object with exactly {', '.join(curve_keys)}")
+            for k in curve_keys:
+                x = v[k]
+                if not isinstance(x, (int, float)) or isinstance(x, bool) or not x > 0 or (k == "max" and x > 1):
+                    raise ProfileError(f"{where}.efficiency.{k} must be a positive number"
+                                       f"{' <= 1' if k == 'max' else ''}, got {x!r}")
+            out[key] = {k: float(v[k]) for k in curve_keys}
+        elif not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 or (key == "dispatch_us" and v == 0)):
+            raise ProfileError(f"{where}.{key} must be a positive number, got {v!r}")
+        else:
+            out[key] = float(v)
+    return out
+
+
 def profile_from_dict(raw: Mapping[str, Any]) -> Profile:
     if not isinstance(raw, Mapping):
         raise ProfileError("a profile must be a JSON object")
@@ -195,12 +247,17 @@ def profile_from_dict(raw: Mapping[str, Any]) -> Profile:
         chips[str(chip)] = tuple(
             _entry_from_dict(e, f"profile.chips[{chip!r}][{i}]") for i, e in enumerate(entries)
         )
+    fits_raw = raw.get("fits", {})
+    if not isinstance(fits_raw, Mapping):
+        raise ProfileError("profile.fits must map chip-type names to fitted figures")
+    fits = {str(c): _fit_from_dict(f, f"profile.fits[{c!r}]") for c, f in fits_raw.items()}
     return Profile(
         model=model,
         seq_len=seq_len,
         chips=chips,
         source=str(raw.get("source", "")),
         model_name=raw["model"] if isinstance(raw["model"], str) else None,
+        fits=fits,
     )
 
 
