@@ -12,7 +12,7 @@ import sys
 from h2jax.config import ConfigError
 
 # Module names under h2jax.cli, in the order `h2jax --help` lists them.
-COMMANDS = ["plan", "run", "replan", "demo", "show", "simulate", "compare", "profile", "align", "data", "plot", "launch"]
+COMMANDS = ["plan", "run", "replan", "demo", "show", "simulate", "compare", "profile", "calibrate", "align", "data", "plot", "launch"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,296 @@
+"""Calibrate the cost model from a measured run: what each stage really spent, next to what
+the model predicted, and a profile that makes the model predict it.
+
+Python API (the `h2jax calibrate` command is a thin wrapper)::
+
+    from h2jax.calibrate import calibrate
+    rows, profile = calibrate(plan, steps=6)              # runs the plan with a trace
+    rows, profile = calibrate(plan, events=trace_events)  # or from a measured trace
+
+- `plan`: a Plan or a plan-file path. `steps` >= 2: the first step compiles and is not
+  measured. `cluster` / `profile`: as for `h2jax.planner.predict` (chip files and no profile
+  by default); the returned profile extends `profile`.
+- `events`: TraceEvents of a run of `plan` (h2jax.trace.read_trace of `h2jax run --trace`);
+  without it the plan is trained with `h2jax.run(plan, steps, trace=...)` and its trace read.
+- `rows`: one `Row(stage, term, measured_s, predicted_s, unit)` per stage and term, plus a
+  step-time row (stage None). Terms: "forward" and "backward" (per micro-batch; a fused
+  F+B is split in the predicted proportion), "send" (per micro-batch: from the send's post
+  to the receive's end, over messages whose receiver was already waiting; None when none
+  was), "receive wait" (per step: the stage's time blocked in receives, predicted as the
+  step's pipeline time less the stage's own compute), "dp reduce" (per step; measured
+  None: the runtime reduces each micro-batch's gradient inside its backward program, so it
+  is measured with the backward), "optimizer" (per step), and "step" (median step time).
+- `profile`: a Profile (h2jax.planner.profile) for the plan's model and sequence length.
+  Per stage, one entry (chip, tensor, tokens per device, recompute) whose one-layer-stage
+  forward and backward reproduce the measured stage times under the cost model (entry =
+  (measured - predicted stage-end terms) / layers + dispatch); entries of stages with the
+  same key are averaged. Per chip type, fits: `peak_tflops` scaled by predicted / measured
+  compute (forward + backward less dispatches, median over the type's stages: the end
+  terms, embedding and logits, follow), `hbm_gbps` from the measured optimizer step (its
+  bytes / (measured - dispatch)), and the link bandwidth a send used (intra- or
+  inter-node, `cost_model.same_node`) scaled by predicted / measured send time. The
+  entries are computed last, under those fits. Give the
+  profile to `h2jax plan --profile` (or `predict`). Save it with
+  `h2jax.planner.save_profile`.
+
+Measurement units: trace seconds. Everything but `calibrate(..., events=None)` is a pure
+function of the events (tests inject traces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+from h2jax.config import ConfigError, preset_name
+from h2jax.plan import Plan, load_plan
+from h2jax.planner import cost_model as cm
+from h2jax.planner.profile import Profile, ProfileEntry
+from h2jax.trace import TraceEvent
+
+_ACTION = re.compile(r"(SEND_ACT|RECV_ACT|SEND_GRAD|RECV_GRAD)(\d+)(?:c(\d+))?$")
+
+
+class Row(NamedTuple):
+    stage: int | None  # None: the whole step
+    term: str
+    measured_s: float | None
+    predicted_s: float
+    unit: str  # "per micro-batch" or "per step"
+
+    @property
+    def ratio(self) -> float | None:
+        """measured / predicted (None when either is missing or the prediction is 0)."""
+        if self.measured_s is None or not self.predicted_s:
+            return None
+        return self.measured_s / self.predicted_s
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMeasure:
+    """Medians over the measured steps (the first, compiling, step left out)."""
+
+    forward_s: float  # per micro-batch (all chunks)
+    backward_s: float  # per micro-batch, weight gradient included
+    recv_wait_s: float  # per step
+    optimizer_s: float | None  # per step
+    send_s: float | None  # per micro-batch: post to delivery, receiver waiting
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    stages: tuple[StageMeasure, ...]
+    step_s: float  # median step time
+    steps: int  # steps measured
+
+
+def _steps_of(events: Sequence[TraceEvent], stage: int) -> list[list[TraceEvent]]:
+    """A stage's events cut into steps: each step ends with the stage's optimizer event."""
+    mine = sorted((e for e in events if e.stage == stage), key=lambda e: e.start_s)
+    steps, current = [], []
+    for e in mine:
+        current.append(e)
+        if e.name == "optimizer":
+            steps.append(current)
+            current = []
+    return steps
+
+
+def _split_fused(plan: Plan, costs: Sequence[cm.StageCost], stage: int) -> float:
+    """The predicted share of the forward in a fused F+B of `stage`."""
+    c = costs[stage]
+    return c.forward_s / (c.forward_s + c.backward_s)
+
+
+def measure(plan: Plan, events: Iterable[Sequence[Any]], costs: Sequence[cm.StageCost]) -> Measured:
+    """Per stage medians of a traced run of `plan` (see the module docstring); `costs` (the
+    model's StageCosts) only split a fused F+B."""
+    events = [e if isinstance(e, TraceEvent) else TraceEvent(*e) for e in events]
+    p, m = plan.n_stages, plan.n_micro
+    per_stage = [_steps_of(events, i) for i in range(p)]
+    n_steps = min(len(s) for s in per_stage)
+    if n_steps < 2:
+        raise ConfigError(
+            f"the trace holds {n_steps} whole step(s) of every stage; calibration needs >= 2 "
+            "(the first compiles and is left out): run more --steps"
+        )
+    # receives by (stage, kind, micro, chunk, step index) for the send measurement
+    recv_at: dict[tuple, TraceEvent] = {}
+    for i, steps in enumerate(per_stage):
+        for k, step in enumerate(steps):
+            for e in step:
+                a = _ACTION.match(e.name)
+                if a and a.group(1).startswith("RECV"):
+                    recv_at[i, a.group(1)[5:], int(a.group(2)), int(a.group(3) or 0), k] = e
+    stages = []
+    for i, steps in enumerate(per_stage):
+        share = _split_fused(plan, costs, i)
+        fwd, bwd, wait, opt, sends = [], [], [], [], []
+        for k, step in enumerate(steps[1:n_steps], start=1):
+            f = b = w = 0.0
+            o = None
+            for e in step:
+                a = _ACTION.match(e.name)
+                if e.name == "optimizer":
+                    o = e.duration_s
+                elif "+" in e.name and e.name.startswith("F"):
+                    f += e.duration_s * share
+                    b += e.duration_s * (1 - share)
+                elif e.lane == "compute" and e.name[:1] in ("F", "B", "W"):
+                    if e.name[0] == "F":
+                        f += e.duration_s
+                    else:
+                        b += e.duration_s
+                elif a and a.group(1).startswith("RECV"):
+                    w += e.duration_s
+                elif a and a.group(1).startswith("SEND"):
+                    kind, micro, chunk = a.group(1)[5:], int(a.group(2)), int(a.group(3) or 0)
+                    to = (i + 1) % p if kind == "ACT" else (i - 1) % p
+                    to_chunk = chunk + (1 if kind == "ACT" and i == p - 1 else -1 if kind == "GRAD" and i == 0 else 0)
+                    r = recv_at.get((to, kind, micro, to_chunk, k))
+                    if r is not None and r.start_s <= e.start_s:  # the receiver was waiting
+                        sends.append(r.start_s + r.duration_s - e.start_s)
+            fwd.append(f / m)
+            bwd.append(b / m)
+            wait.append(w)
+            if o is not None:
+                opt.append(o)
+        stages.append(StageMeasure(
+            statistics.median(fwd), statistics.median(bwd), statistics.median(wait),
+            statistics.median(opt) if opt else None, statistics.median(sends) if sends else None,
+        ))
+    step_times = []
+    for k in range(1, n_steps):
+        starts = [per_stage[i][k - 1][-1].start_s + per_stage[i][k - 1][-1].duration_s for i in range(p)]
+        ends = [per_stage[i][k][-1].start_s + per_stage[i][k][-1].duration_s for i in range(p)]
+        step_times.append(max(ends) - max(starts))
+    return Measured(tuple(stages), statistics.median(step_times), n_steps - 1)
+
+
+def compare(plan: Plan, measured: Measured, costs: Sequence[cm.StageCost]) -> list[Row]:
+    """The rows of the module docstring: each measured term next to the model's."""
+    m, v = plan.n_micro, cm.virtual_stages(plan)
+    pipe = cm.pipeline_time(list(costs), m, plan.schedule, v)
+    rows = []
+    for i, (s, c) in enumerate(zip(measured.stages, costs)):
+        incoming = costs[i - 1].send_s if i > 0 else 0.0
+        busy = m * (c.forward_s + c.backward_s)
+        rows += [
+            Row(i, "forward", s.forward_s, c.forward_s, "per micro-batch"),
+            Row(i, "backward", s.backward_s, c.backward_s, "per micro-batch"),
+            Row(i, "send", s.send_s, c.send_s + c.link_latency_s if c.send_bytes else incoming, "per micro-batch"),
+            Row(i, "receive wait", s.recv_wait_s, max(pipe - busy, 0.0), "per step"),
+            Row(i, "dp reduce", None, c.dp_reduce_s, "per step"),
+            Row(i, "optimizer", s.optimizer_s, c.optimizer_s, "per step"),
+        ]
+    rows.append(Row(None, "step", measured.step_s, cm.iteration_time(list(costs), m, plan.schedule, v), "per step"))
+    return rows
+
+
+def calibrated_profile(
+    plan: Plan, measured: Measured, chips: Mapping[str, Any], profile: Profile | None = None,
+) -> Profile:
+    """A profile under which the cost model reproduces the measured stage times (module
+    docstring); extends `profile` (its entries of other shapes and its other fits stay)."""
+    options = cm.CostOptions.of(plan)
+    fits = {c: dict(f) for c, f in (profile.fits.items() if profile else ())}
+
+    def analytical() -> tuple[list[cm.StageTerms], list[cm.StageCost], Profile]:
+        only = Profile(plan.model, plan.seq_len, {}, fits={c: dict(f) for c, f in fits.items()})
+        return cm.plan_stage_terms(plan, chips, only, options), cm.stage_costs(plan, chips, only, options), only
+
+    terms, costs, only = analytical()
+    stages = list(zip(plan.stages, costs, measured.stages))
+    # 1. Effective peak per chip type: the measured compute over the analytical one.
+    scale: dict[str, list[float]] = {}
+    hbm: dict[str, list[float]] = {}
+    for st, c, s in stages:
+        chip = cm.calibrated(chips[st.chip], only)
+        d = chip.dispatch_s
+        predicted, got = c.forward_s + c.backward_s - 2 * d, s.forward_s + s.backward_s - 2 * d
+        if predicted > 0 and got > 0:
+            scale.setdefault(st.chip, []).append(got / predicted)
+        if s.optimizer_s is not None and s.optimizer_s > d and c.optimizer_s > d:
+            opt_bytes = (c.optimizer_s - d) * chip.hbm_bytes_per_s
+            hbm.setdefault(st.chip, []).append(opt_bytes / (s.optimizer_s - d) / 1e9)
+    for name, values in scale.items():
+        fits.setdefault(name, {})["peak_tflops"] = cm.calibrated(chips[name], only).peak_tflops / statistics.median(values)
+    for name, values in hbm.items():
+        fits.setdefault(name, {})["hbm_gbps"] = statistics.median(values)
+    # 2. Link bandwidths from the measured sends.
+    links: dict[tuple[str, str], list[float]] = {}
+    p = plan.n_stages
+    for i, (st, c, s) in enumerate(stages):
+        if c.send_bytes and s.send_s is not None and s.send_s > c.link_latency_s:
+            nxt = plan.stages[(i + 1) % p]
+            ratio = c.send_s / (s.send_s - c.link_latency_s)
+            local = cm.same_node(chips[st.chip], st.mesh.size, chips[nxt.chip], nxt.mesh.size)
+            field = "intra_node_gbps" if local else "inter_node_gbps"
+            for name in {st.chip, nxt.chip}:
+                links.setdefault((name, field), []).append(getattr(cm.calibrated(chips[name], only), field) * ratio)
+    for (name, field), values in links.items():
+        fits.setdefault(name, {})[field] = statistics.median(values)
+    # 3. Per-layer entries: the measured stage less its (re-fitted) end terms, per layer.
+    terms, costs, only = analytical()
+    new: dict[tuple, list[tuple[float, float]]] = {}
+    for st, t, s in zip(plan.stages, terms, measured.stages):
+        d, n = cm.calibrated(chips[st.chip], only).dispatch_s, st.n_layers
+        fwd = max(s.forward_s - t.fwd_end, 0.1 * s.forward_s) / n + d
+        bwd = max(s.backward_s - t.bwd_end, 0.1 * s.backward_s) / n + d
+        tokens = int(round(plan.micro_batch / st.mesh.data * plan.seq_len))
+        new.setdefault((st.chip, st.mesh.tensor, tokens, st.recompute), []).append((fwd, bwd))
+    entries = {c: list(es) for c, es in (profile.chips.items() if profile else ())}
+    for (chip, tensor, tokens, recompute), times in new.items():
+        kept = [e for e in entries.get(chip, []) if (e.tensor, e.tokens, e.recompute) != (tensor, tokens, recompute)]
+        entries[chip] = kept + [ProfileEntry(tensor, tokens, statistics.fmean(f for f, _ in times),
+                                             statistics.fmean(b for _, b in times), recompute)]
+    source = f"h2jax calibrate: {measured.steps} measured step(s) of a {p}-stage {plan.schedule} plan"
+    if profile is not None and profile.source:
+        source = f"{profile.source}; {source}"
+    return Profile(plan.model, plan.seq_len, {c: tuple(es) for c, es in entries.items()}, source,
+                   plan.model_name or preset_name(plan.model), fits)
+
+
+def calibrate(
+    plan: Plan | str,
+    steps: int = 6,
+    *,
+    cluster: Any = None,
+    profile: Profile | None = None,
+    events: Iterable[Sequence[Any]] | None = None,
+    **run_kwargs: Any,
+) -> tuple[list[Row], Profile | None]:
+    """(rows, calibrated profile) for `plan`; see the module docstring. `run_kwargs` go to
+    h2jax.run (e.g. dataset) when the plan is run here. Under mpiexec only the reporting
+    process gets the trace: the others return ([], None)."""
+    plan = load_plan(plan) if isinstance(plan, str) else plan
+    if events is None:
+        if steps < 2:
+            raise ConfigError(f"--steps must be >= 2 (the first step compiles and is not measured), got {steps}")
+        events = traced_run(plan, steps, **run_kwargs)
+        if events is None:
+            return [], None
+    chips = cm.chips_by_name(cluster, plan)
+    if profile is not None:
+        profile.check_matches(plan.model, plan.seq_len)
+    costs = cm.stage_costs(plan, chips, profile)
+    measured = measure(plan, events, costs)
+    return compare(plan, measured, costs), calibrated_profile(plan, measured, chips, profile)
+
+
+def traced_run(plan: Plan, steps: int, **run_kwargs: Any) -> list[TraceEvent] | None:
+    """Train `plan` for `steps` steps with a trace; its events (None off the reporting process)."""
+    import tempfile
+    from pathlib import Path
+
+    import h2jax
+    from h2jax.trace import read_trace
+
+    with tempfile.TemporaryDirectory(prefix="h2jax-calibrate-") as tmp:
+        path = Path(tmp) / "trace.json"
+        h2jax.run(plan, steps, trace=str(path), **run_kwargs)
+        if not path.is_file():  # not the reporting process of an MPI job
+            return None
+        return read_trace(path)

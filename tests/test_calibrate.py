@@ -1,0 +1,168 @@
+"""Calibration from a measured trace (h2jax.calibrate, `h2jax calibrate`): injected traces,
+no timing. What a stage measured is read back exactly, each term is printed next to the
+model's, and the calibrated profile makes the cost model predict what was measured."""
+
+import json
+
+import pytest
+
+from h2jax.calibrate import calibrate, measure
+from h2jax.cluster import load_chip
+from h2jax.config import PRESETS, ConfigError
+from h2jax.plan import Mesh, Plan, Stage, save_plan
+from h2jax.planner import cost_model as cm
+from h2jax.planner import load_profile
+from h2jax.trace import TraceEvent, write_trace
+
+TINY = PRESETS["tiny"]
+
+
+def two_stage_plan(n_micro=2, micro_batch=1) -> Plan:
+    stages = (Stage("emu-fast", Mesh(1, 1), (0, 3)), Stage("emu-slow", Mesh(1, 1), (3, 4)))
+    return Plan(TINY, 32, n_micro * micro_batch, micro_batch, stages, model_name="tiny")
+
+
+def synthetic_trace(plan, steps, fwd, bwd, opt, transfer=0.003, fused_last=False, first_step_scale=50.0):
+    """A GPipe-like order per stage, laid out back to back: each stage's receives wait, its
+    sends are instants. Stage 1 starts waiting for activation k before stage 0 posts it, so
+    each activation's transfer is `transfer` after the post. Step 0 is `first_step_scale`
+    times slower (a compile)."""
+    events, t = [], 0.0
+    m = plan.n_micro
+    for step in range(steps):
+        s = first_step_scale if step == 0 else 1.0
+        t0 = t
+        post = []
+        clock = t0
+        for k in range(m):  # stage 0 forwards
+            events.append(TraceEvent(0, f"F{k}", clock, fwd[0] * s, {"micro": k}))
+            clock += fwd[0] * s
+            events.append(TraceEvent(0, f"SEND_ACT{k}", clock, 0.0, {"micro": k}, "comm"))
+            post.append(clock)
+        c1 = t0
+        for k in range(m):  # stage 1: wait for the activation, then compute
+            arrive = post[k] + transfer
+            events.append(TraceEvent(1, f"RECV_ACT{k}", c1, max(arrive - c1, 0.0), {"micro": k}, "comm"))
+            c1 = max(c1, arrive)
+            if fused_last:
+                events.append(TraceEvent(1, f"F{k}+B{k}", c1, (fwd[1] + bwd[1]) * s, {"micro": k}))
+                c1 += (fwd[1] + bwd[1]) * s
+            else:
+                events.append(TraceEvent(1, f"F{k}", c1, fwd[1] * s, {"micro": k}))
+                c1 += fwd[1] * s
+                events.append(TraceEvent(1, f"B{k}", c1, bwd[1] * s, {"micro": k}))
+                c1 += bwd[1] * s
+            events.append(TraceEvent(1, f"SEND_GRAD{k}", c1, 0.0, {"micro": k}, "comm"))
+        for k in range(m):  # stage 0 backwards, after its gradient arrives
+            events.append(TraceEvent(0, f"RECV_GRAD{k}", clock, max(c1 - clock, 0.0), {"micro": k}, "comm"))
+            clock = max(clock, c1)
+            events.append(TraceEvent(0, f"B{k}", clock, bwd[0] * s, {"micro": k}))
+            clock += bwd[0] * s
+        events.append(TraceEvent(0, "optimizer", clock, opt[0] * s))
+        events.append(TraceEvent(1, "optimizer", c1, opt[1] * s))
+        t = max(clock + opt[0] * s, c1 + opt[1] * s)
+    return events
+
+
+def _chips(plan):
+    return cm.chips_by_name(None, plan)
+
+
+FWD, BWD, OPT = (0.004, 0.010), (0.009, 0.021), (0.002, 0.0035)
+
+
+def test_measure_reads_each_stage_back_and_leaves_out_the_compile_step():
+    plan = two_stage_plan(n_micro=3)
+    events = synthetic_trace(plan, 4, FWD, BWD, OPT)
+    got = measure(plan, events, cm.stage_costs(plan, None))
+    assert got.steps == 3
+    for i in range(2):
+        s = got.stages[i]
+        assert s.forward_s == pytest.approx(FWD[i]) and s.backward_s == pytest.approx(BWD[i])
+        assert s.optimizer_s == pytest.approx(OPT[i])
+    assert got.stages[0].send_s == pytest.approx(0.003)  # post to delivery, the receiver waiting
+    # stage 1 waits for the first activation (forward 4 ms + transfer 3 ms); the later ones
+    # arrive while it computes
+    assert got.stages[1].recv_wait_s == pytest.approx(0.007)
+
+
+def test_fused_forward_backward_is_split_in_the_predicted_proportion():
+    plan = two_stage_plan()
+    costs = cm.stage_costs(plan, None)
+    events = synthetic_trace(plan, 3, FWD, BWD, OPT, fused_last=True)
+    got = measure(plan, events, costs).stages[1]
+    share = costs[1].forward_s / (costs[1].forward_s + costs[1].backward_s)
+    assert got.forward_s == pytest.approx((FWD[1] + BWD[1]) * share)
+    assert got.forward_s + got.backward_s == pytest.approx(FWD[1] + BWD[1])
+
+
+def test_rows_put_each_measured_term_next_to_the_models():
+    plan = two_stage_plan()
+    costs = cm.stage_costs(plan, None)
+    rows, _ = calibrate(plan, events=synthetic_trace(plan, 3, FWD, BWD, OPT))
+    by = {(r.stage, r.term): r for r in rows}
+    assert {t for _, t in by} == {"forward", "backward", "send", "receive wait", "dp reduce", "optimizer", "step"}
+    assert by[0, "forward"].measured_s == pytest.approx(FWD[0]) and by[0, "forward"].predicted_s == costs[0].forward_s
+    assert by[1, "backward"].ratio == pytest.approx(BWD[1] / costs[1].backward_s)
+    assert by[0, "optimizer"].predicted_s == costs[0].optimizer_s
+    assert by[0, "dp reduce"].measured_s is None and by[0, "dp reduce"].ratio is None
+    assert by[None, "step"].predicted_s == pytest.approx(cm.iteration_time(costs, plan.n_micro))
+
+
+def test_the_calibrated_profile_makes_the_model_predict_what_was_measured():
+    plan = two_stage_plan(n_micro=2)
+    _, profile = calibrate(plan, events=synthetic_trace(plan, 4, FWD, BWD, OPT, transfer=0.002))
+    assert profile.model == TINY and profile.seq_len == 32
+    costs = cm.stage_costs(plan, None, profile)
+    for i in range(2):
+        assert costs[i].forward_s == pytest.approx(FWD[i], rel=1e-9)
+        assert costs[i].backward_s == pytest.approx(BWD[i], rel=1e-9)
+        assert costs[i].optimizer_s == pytest.approx(OPT[i], rel=1e-9)
+    # the send, at the fitted inter-node bandwidth, takes what it took
+    assert costs[0].send_s + costs[0].link_latency_s == pytest.approx(0.002, rel=1e-9)
+    # fitted figures: an effective peak, HBM and link bandwidths, per chip type
+    assert set(profile.fits["emu-fast"]) == {"peak_tflops", "hbm_gbps", "inter_node_gbps"}
+    before = cm.stage_costs(plan, None)
+    assert profile.fits["emu-fast"]["peak_tflops"] == pytest.approx(
+        load_chip("emu-fast").peak_tflops * (before[0].forward_s + before[0].backward_s - 2 * 50e-6)
+        / (FWD[0] + BWD[0] - 2 * 50e-6))
+
+
+def test_calibrating_twice_keeps_the_first_profiles_other_entries():
+    plan = two_stage_plan(n_micro=2)
+    _, first = calibrate(plan, events=synthetic_trace(plan, 3, FWD, BWD, OPT))
+    wider = two_stage_plan(n_micro=2, micro_batch=2)  # 64 tokens per device: another shape
+    _, second = calibrate(wider, events=synthetic_trace(wider, 3, FWD, BWD, OPT), profile=first)
+    assert sorted(e.tokens for e in second.chips["emu-fast"]) == [32, 64]  # beside the old entry
+    assert first.source in second.source
+
+
+def test_too_few_steps_are_refused():
+    plan = two_stage_plan()
+    with pytest.raises(ConfigError, match="calibration needs >= 2"):
+        calibrate(plan, events=synthetic_trace(plan, 1, FWD, BWD, OPT))
+    with pytest.raises(ConfigError, match="--steps must be >= 2"):
+        calibrate(plan, steps=1)
+
+
+def test_cli_calibrates_from_a_trace_and_plan_uses_the_profile(tmp_path, capsys):
+    from h2jax.cli import main
+
+    plan = two_stage_plan()
+    save_plan(plan, tmp_path / "plan.json")
+    write_trace(synthetic_trace(plan, 3, FWD, BWD, OPT), tmp_path / "trace.json")
+    out = tmp_path / "cal" / "profile.json"
+    code = main(["calibrate", "--plan", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "trace.json"),
+                 "--out", str(out), "--json"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["written_to"] == str(out)
+    fwd0 = next(r for r in printed["rows"] if r["stage"] == 0 and r["term"] == "forward")
+    assert fwd0["measured_s"] == pytest.approx(FWD[0])
+    assert load_profile(out).fits["emu-slow"]["hbm_gbps"] > 0
+    cluster = tmp_path / "c.toml"
+    cluster.write_text('[[group]]\nchip = "emu-fast"\ncount = 1\n\n[[group]]\nchip = "emu-slow"\ncount = 1\n')
+    code = main(["plan", "--cluster", str(cluster), "--model", "tiny", "--seq-len", "32", "--global-batch", "2",
+                 "--profile", str(out), "--no-baselines", "--json"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["predicted"]["cost_model"] == "profile"
