@@ -96,7 +96,8 @@ RUNS = {
         Skip("a mutation score: hours of test runs; run by hand"),
     "python benchmarks/mutation.py": Skip("as above"),
     **{f"python benchmarks/{b}.py": Skip("a measurement (prints one JSON object); run by hand")
-       for b in ("pipeline_overhead", "transport", "reshard", "planner", "simulator", "chip_speed", "schedules")},
+       for b in ("pipeline_overhead", "transport", "reshard", "planner", "simulator", "chip_speed", "schedules",
+                 "cost_model")},
 }
 
 

@@ -209,6 +209,10 @@ def test_emulation_stretches_compute_not_dispatch_nor_contention(fake_time):
     assert (clock.measured_s, clock.busy_s) == (0.25, 2.0) and clock.last_interval == (100.5, 102.5)
     clock.run(lambda: fake_time.work(0.25, wall=1.0))  # a third of the wall time on a core
     assert (clock.measured_s, clock.busy_s) == (0.5, 4.0) and clock.free_at == 104.5
+    assert clock.host_lag_s == 0.0  # the chip was busy when the host dispatched again
+    fake_time.now = 105.0  # the host falls behind: the chip waits 0.5 s for its next dispatch
+    clock.run(lambda: fake_time.work(0.25, dispatch=0.25))
+    assert clock.host_lag_s == 0.75 and clock.last_interval == (105.25, 107.25)
     # the same compute on an idle host: the same busy time
     idle = emulation.StageClock(slowdown=8.0, defer=True)
     idle.run(lambda: fake_time.work(0.25))

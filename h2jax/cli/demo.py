@@ -27,6 +27,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "h2jax"
 
 
 MAX_REPLANS = 3
+PROFILE_REPEATS, PROFILE_WARMUP = 21, 3  # timed runs per shape (the median is kept), untimed first
 
 
 def with_memory_scaled(cluster, chip_name: str, factor: float):
@@ -117,13 +118,16 @@ def main(args: argparse.Namespace) -> int:
         console.print("[yellow]EMULATED chips[/]: " + ", ".join(
             f"{c.name} x{count} ({c.emulate.slowdown:g}x slower than this CPU, {c.emulate.memory_gib * 1024:.0f} MiB)"
             for c, count in ((c, cluster.counts[c.name]) for c in emulated)
-        ) + ". Every time below is host CPU compute stretched by waiting.")
+        ) + ". Every time below is host CPU compute (CPU seconds per device) stretched by waiting.")
 
     console.print("1. Profiling one layer per chip type on its backend (h2jax profile)...")
-    # One sequence per micro-batch and per device: every stage is one emulated chip, the shape
-    # whose time the clocks emulate faithfully (the devices of a data-parallel stage would
-    # share this host's cores, which the chips they stand for do not).
-    profile, raw = profile_chips(list(cluster.chips), args.model, args.seq_len, (1,), (1,), repeats=5, warmup=2)
+    # One sequence per micro-batch and per device: every stage is one chip, (data, tensor) =
+    # (1, 1), the shape profiled (a data-parallel stage also all-reduces its gradients in each
+    # backward, which a (1, 1) profile does not hold). Emulated chips are timed in CPU seconds
+    # (h2jax.runtime.emulation), which another process's load barely moves; the median of
+    # PROFILE_REPEATS runs after PROFILE_WARMUP is stable to a few percent and costs ~1 s.
+    profile, raw = profile_chips(list(cluster.chips), args.model, args.seq_len, (1,), (1,),
+                                 repeats=PROFILE_REPEATS, warmup=PROFILE_WARMUP)
     for name, ms in raw.items():
         m = ms[0]
         chip = cluster.chips[name]

@@ -80,6 +80,9 @@ class StageClock:
         self._input_at = 0.0  # arrival of the input the next compute consumes
         self.measured_s = 0.0  # host compute seconds (per device if emulated), summed (reset by the caller)
         self.busy_s = 0.0  # seconds the chip was busy, summed
+        # seconds the chip sat free, its input there, until the host dispatched its next compute:
+        # where the host, not the emulated chip, set the pace (reset by the caller)
+        self.host_lag_s = 0.0
         self.last_interval = (0.0, 0.0)  # (start, end) of the latest compute on this clock
 
     def arrive(self, t: float) -> None:
@@ -93,7 +96,10 @@ class StageClock:
             ready = time.perf_counter()
             out = jax.block_until_ready(fn(*args))
             measured = time.perf_counter() - ready
-        start = max(ready, self.free_at, self._input_at)
+        floor = max(self.free_at, self._input_at)
+        start = max(ready, floor)
+        if floor > 0.0:  # not the clock's first compute
+            self.host_lag_s += start - floor
         self._input_at = 0.0
         busy = self.slowdown * measured
         self.free_at = start + busy
