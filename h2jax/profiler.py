@@ -4,8 +4,17 @@ the planner reads in place of its analytical figures (format: h2jax.planner.prof
 One measurement is one transformer layer as a middle pipeline stage (no embedding, no head)
 on a `(data=1, tensor=T)` mesh of the chip's platform, compiled exactly as the runtime
 compiles it (h2jax.runtime.stage), so tensor-parallel collectives are inside the time.
-Times are medians of repeated runs after warm-up; `activation_bytes` is what the layer keeps
-per micro-batch between its forward and backward, from XLA's memory analysis.
+Times are medians of repeated runs after warm-up, sampled until the median is stable
+(`stable_median`: at least `repeats` samples, then batches of more until the median moves by
+less than 1%, at most `max_repeats`); each time's spread (interquartile range / median) is
+reported, and a profile with a spread above `max_spread` is refused (`SpreadError`: measure
+on a quieter machine, take more samples, or relax --max-spread). `activation_bytes` is what
+the layer keeps per micro-batch between its forward and backward, from XLA's memory analysis.
+
+Per chip type the profile also gets fits (h2jax.planner.fit): the per-micro-batch overhead
+(intercept of forward time against tokens), the matmul efficiency curve against size, and the
+memory-bound throughput, timed on an AdamW-like update of `HBM_PARAMS` f32 parameters (28
+bytes each).
 
 An emulated chip type runs on the host CPU: its times are the host's, stretched by its
 `slowdown` (what the runtime's emulation does), and its entries are labelled so. Chip types
@@ -15,6 +24,7 @@ with the same platform and precision policy share one measurement.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Callable, Iterable, Sequence
@@ -26,6 +36,54 @@ from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
 from h2jax.plan import Mesh, Plan, Stage
 from h2jax.planner.profile import Profile, ProfileEntry, load_profile
 from h2jax.runtime.memory import GIB
+
+
+class SpreadError(ConfigError):
+    """Measurements too noisy to write: the message names the worst shape and the fixes."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timing:
+    median: float
+    spread: float  # interquartile range / median
+    samples: int
+
+
+def spread_of(times: Sequence[float]) -> float:
+    """Interquartile range over median (0 for fewer than 2 samples)."""
+    if len(times) < 2:
+        return 0.0
+    q1, q2, q3 = np.percentile(np.asarray(times, float), [25, 50, 75])
+    return float((q3 - q1) / q2) if q2 > 0 else math.inf
+
+
+def stable_median(sample: Callable[[], float], repeats: int, max_repeats: int, rel_tol: float = 0.01) -> Timing:
+    """Call `sample` until its median is stable: `repeats` samples, then batches of
+    max(2, repeats // 2) more until the median moves by less than `rel_tol`, or `max_repeats`."""
+    times = [sample() for _ in range(repeats)]
+    med = statistics.median(times)
+    while len(times) < max_repeats:
+        times += [sample() for _ in range(min(max(2, repeats // 2), max_repeats - len(times)))]
+        new = statistics.median(times)
+        moved = abs(new - med) / med if med > 0 else 0.0
+        med = new
+        if moved < rel_tol:
+            break
+    return Timing(med, spread_of(times), len(times))
+
+
+def check_spread(measured: Sequence[tuple[str, "Measurement"]], max_spread: float) -> None:
+    """Refuse measurements whose forward or backward spread exceeds `max_spread`."""
+    worst = max(((max(m.forward_spread, m.backward_spread), c, m) for c, m in measured),
+                key=lambda x: x[0], default=None)
+    if worst is not None and worst[0] > max_spread:
+        spread, chip, m = worst
+        raise SpreadError(
+            f"{chip} tensor={m.tensor} micro-batch={m.micro_batch}: the times vary by {spread:.0%} "
+            f"(interquartile range / median) over {m.samples} samples, more than --max-spread "
+            f"{max_spread:.0%}; the profile was not written. Measure on a quieter machine, raise "
+            f"--repeats/--max-repeats, or relax --max-spread"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +98,9 @@ class Measurement:
     activation_bytes: int | None  # kept per micro-batch between forward and backward
     needed_bytes: int | None  # the one-layer stage's peak per device (h2jax.runtime.memory)
     recompute: str = "none"
+    forward_spread: float = 0.0  # interquartile range / median
+    backward_spread: float = 0.0
+    samples: int = 0  # timed samples behind each median (the larger of the two)
 
 
 def one_layer_plan(chip: str, model: ModelConfig, seq_len: int, tensor: int, micro_batch: int, recompute: str) -> Plan:
@@ -73,19 +134,21 @@ def _call_seconds(fn: Callable[[], object], emulated: bool) -> float:
     return time.perf_counter() - t0
 
 
-def _median_time(fn: Callable[[], object], repeats: int, warmup: int, emulated: bool = False) -> float:
+def _median_time(fn: Callable[[], object], repeats: int, warmup: int, emulated: bool = False,
+                 max_repeats: int | None = None) -> Timing:
     import jax
 
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    return statistics.median(_call_seconds(fn, emulated) for _ in range(repeats))
+    return stable_median(lambda: _call_seconds(fn, emulated), repeats, max_repeats or repeats)
 
 
 def measure_layer(
     chip: ChipType, model: ModelConfig, seq_len: int, tensor: int, micro_batch: int,
     devices: list, recompute: str = "none", repeats: int = 5, warmup: int = 2,
+    max_repeats: int | None = None,
 ) -> Measurement:
-    """Time one layer's forward and backward (median of `repeats` after `warmup`)."""
+    """Time one layer's forward and backward (stable medians, `stable_median`, after `warmup`)."""
     import jax
 
     from h2jax.runtime.stage import StageExecutor
@@ -96,19 +159,44 @@ def measure_layer(
     shape = (micro_batch, seq_len, model.d_model)
     x = jax.device_put(rng.normal(size=shape).astype(ex.boundary_dtype), ex.input_sharding)
     dy = jax.device_put(rng.normal(size=shape).astype(ex.boundary_dtype), ex.boundary_sharding)
-    forward_s = _median_time(lambda: ex.forward(x), repeats, warmup, chip.is_emulated)
-    backward_times = []
-    for i in range(warmup + repeats):
+    forward = _median_time(lambda: ex.forward(x), repeats, warmup, chip.is_emulated, max_repeats)
+
+    def backward_sample() -> float:
         _, saved = ex.forward(x)
         jax.block_until_ready(saved)
-        backward_times.append(_call_seconds(lambda: ex.backward(saved, dy), chip.is_emulated))
-    backward_s = statistics.median(backward_times[warmup:])
+        return _call_seconds(lambda: ex.backward(saved, dy), chip.is_emulated)
+
+    for _ in range(warmup):
+        backward_sample()
+    backward = stable_median(backward_sample, repeats, max_repeats or repeats)
     mem = ex.memory
     return Measurement(
-        tensor, micro_batch, micro_batch * seq_len, forward_s, backward_s,
+        tensor, micro_batch, micro_batch * seq_len, forward.median, backward.median,
         None if mem is None else mem.per_micro_batch_bytes,
         None if mem is None else mem.needed_bytes, recompute,
+        forward.spread, backward.spread, max(forward.samples, backward.samples),
     )
+
+
+HBM_PARAMS = 1 << 22  # parameters of the memory-bound probe (16 MiB of f32 per array)
+
+
+def measure_hbm_gbps(device, emulated: bool, repeats: int, warmup: int, max_repeats: int | None = None) -> Timing:
+    """Memory-bound throughput (GB/s, as the median of a Timing): an AdamW-like update of
+    HBM_PARAMS f32 parameters (read p, g, m, v; write p, m, v: 28 bytes each) on `device`,
+    timed like a layer (on an emulated chip: before its slowdown)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def update(p, g, m, v):
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        return p - 1e-3 * m / (jnp.sqrt(v) + 1e-8), m, v
+
+    arrays = [jax.device_put(jnp.full((HBM_PARAMS,), 0.5, jnp.float32), device) for _ in range(4)]
+    t = _median_time(lambda: update(*arrays), repeats, warmup, emulated, max_repeats)
+    return Timing(28 * HBM_PARAMS / t.median / 1e9, t.spread, t.samples)
 
 
 def refusal(chip: ChipType, m: Measurement) -> str | None:
@@ -135,11 +223,16 @@ def profile_chips(
     repeats: int = 5,
     warmup: int = 2,
     on_measure: Callable[[str, Measurement, str | None], None] | None = None,
+    max_repeats: int | None = None,
+    max_spread: float = math.inf,
 ) -> tuple[Profile, dict[str, list[Measurement]]]:
     """Measure every (tensor, micro-batch, recompute) for each chip type -> (profile, raw).
 
     Emulated entries are the host measurement times the chip's slowdown. A shape whose one
-    layer does not fit the chip's memory gets no entry (`on_measure` is told why)."""
+    layer does not fit the chip's memory gets no entry (`on_measure` is told why). Raises
+    SpreadError when a kept measurement's spread exceeds `max_spread`. Each chip type's
+    fits (module docstring) go to the profile's `fits`."""
+    from h2jax.planner.fit import chip_fits
     from h2jax.backends import platform_devices, resolve_all, select_platforms
 
     cfg = get_config(model)
@@ -147,8 +240,10 @@ def profile_chips(
     backends = resolve_all(c.name for c in chips)
     select_platforms(c.name for c in chips)
     cache: dict[tuple, Measurement] = {}
+    hbm_cache: dict[tuple, Timing] = {}
     raw: dict[str, list[Measurement]] = {}
     entries: dict[str, list[ProfileEntry]] = {}
+    fits: dict[str, dict] = {}
     for chip in chips:
         devices = platform_devices(backends[chip.name])
         for t in tensors:
@@ -160,7 +255,8 @@ def profile_chips(
                 for r in recompute:
                     key = (_policy_key(chip), t, b, r)
                     if key not in cache:
-                        cache[key] = measure_layer(chip, cfg, seq_len, t, b, devices, r, repeats, warmup)
+                        cache[key] = measure_layer(chip, cfg, seq_len, t, b, devices, r, repeats, warmup,
+                                                   max_repeats)
                     m = cache[key]
                     raw.setdefault(chip.name, []).append(m)
                     why = refusal(chip, m)
@@ -172,11 +268,22 @@ def profile_chips(
                     entries.setdefault(chip.name, []).append(
                         ProfileEntry(t, m.tokens, m.forward_s * s, m.backward_s * s, r, m.activation_bytes)
                     )
+        hkey = ("hbm", _policy_key(chip))
+        if hkey not in hbm_cache:
+            hbm_cache[hkey] = measure_hbm_gbps(devices[0], chip.is_emulated, repeats, warmup, max_repeats)
+        hbm = hbm_cache[hkey]
+        slowdown = chip.emulate.slowdown if chip.is_emulated else 1.0
+        points = [(e.tensor, e.tokens, e.forward_s) for e in entries.get(chip.name, ()) if e.recompute == "none"]
+        fits[chip.name] = chip_fits(chip, cfg, seq_len, points, hbm.median / slowdown)
+    check_spread([(c, m) for c, ms in raw.items() for m in ms
+                  if refusal(next(x for x in chips if x.name == c), m) is None], max_spread)
     emulated = [c.name for c in chips if c.is_emulated]
-    source = f"h2jax profile, {time.strftime('%Y-%m-%d %H:%M')}, medians of {repeats} runs after {warmup} warm-up"
+    source = (f"h2jax profile, {time.strftime('%Y-%m-%d %H:%M')}, stable medians of >= {repeats} runs "
+              f"after {warmup} warm-up")
     if emulated:
         source += f"; EMULATED (host CPU times x slowdown): {', '.join(emulated)}"
-    profile = Profile(cfg, seq_len, {c: tuple(e) for c, e in entries.items()}, source, preset_name(cfg))
+    profile = Profile(cfg, seq_len, {c: tuple(e) for c, e in entries.items()}, source, preset_name(cfg),
+                      {c: f for c, f in fits.items() if f})
     return profile, raw
 
 
@@ -197,4 +304,5 @@ def merge_into(profile: Profile, path) -> Profile:
             "write to a new file"
         )
     chips = {**old.chips, **profile.chips}
-    return dataclasses.replace(profile, chips=chips, source=f"{old.source}; {profile.source}")
+    fits = {**old.fits, **profile.fits}
+    return dataclasses.replace(profile, chips=chips, fits=fits, source=f"{old.source}; {profile.source}")

@@ -166,3 +166,83 @@ def test_cli_calibrates_from_a_trace_and_plan_uses_the_profile(tmp_path, capsys)
                  "--profile", str(out), "--no-baselines", "--json"])
     assert code == 0
     assert json.loads(capsys.readouterr().out)["plan"]["predicted"]["cost_model"] == "profile"
+
+
+# ----------------------------------------------------------------------------- h2jax profile: samples and fits
+
+
+def test_stable_median_samples_until_the_median_settles():
+    from h2jax.profiler import stable_median
+
+    values = iter([1.0, 3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 9.0])
+    t = stable_median(lambda: next(values), repeats=3, max_repeats=10)
+    assert t.median == 2.0 and t.samples == 5  # 3, then 2 more: the median did not move
+    drifting = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+    t = stable_median(lambda: next(drifting), repeats=2, max_repeats=8)
+    assert t.samples == 8 and t.median == 4.5  # never settled: stopped at the cap
+
+
+def test_spread_is_the_interquartile_range_over_the_median():
+    from h2jax.profiler import spread_of
+
+    assert spread_of([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.0 - 2.0) / 3.0)
+    assert spread_of([2.0]) == 0.0
+
+
+def test_a_profile_whose_spread_is_too_large_is_refused_naming_the_shape():
+    from h2jax.profiler import Measurement, SpreadError, check_spread
+
+    calm = Measurement(1, 2, 32, 1e-3, 2e-3, None, None, forward_spread=0.05, backward_spread=0.1, samples=9)
+    noisy = Measurement(2, 4, 64, 1e-3, 2e-3, None, None, forward_spread=0.4, backward_spread=0.1, samples=36)
+    check_spread([("cpu", calm)], 0.25)
+    with pytest.raises(SpreadError, match="cpu tensor=2 micro-batch=4: the times vary by 40%.*--max-spread 25%"):
+        check_spread([("cpu", calm), ("cpu", noisy)], 0.25)
+    check_spread([("cpu", noisy)], 0.5)  # relaxed
+
+
+def test_overhead_is_the_intercept_of_time_against_tokens():
+    from h2jax.planner.fit import fit_overhead
+
+    points = [(1, n, 1e-4 + 2e-6 * n) for n in (16, 32, 64)] + [(2, n, 3e-4 + 1e-6 * n) for n in (16, 64)]
+    assert fit_overhead(points) == pytest.approx(2e-4)  # median of the two tensor sizes' intercepts
+    assert fit_overhead([(1, 16, 1e-3)]) is None  # one token count resolves nothing
+    assert fit_overhead([(1, 16, 1e-3), (1, 32, 3e-3)]) == 0.0  # a negative intercept is clamped
+
+
+def test_efficiency_curve_is_recovered_from_exact_points():
+    from h2jax.cluster import EfficiencyCurve
+    from h2jax.planner.fit import _GRID, fit_curve
+
+    true = EfficiencyCurve(0.6, float(_GRID[40]), float(_GRID[30]))
+    points = [(n, w, cm.efficiency(n, w, true)) for n in (16.0, 64.0, 256.0, 2048.0) for w in (32.0, 128.0, 512.0)]
+    got = fit_curve(points, EfficiencyCurve())
+    assert got.max == pytest.approx(0.6) and got.half_tokens == true.half_tokens and got.half_width == true.half_width
+    # one width: its half point keeps the prior's
+    one = fit_curve([p for p in points if p[1] == 128.0], EfficiencyCurve(half_width=99.0))
+    assert one.half_width == 99.0
+
+
+def test_achieved_efficiency_inverts_the_cost_models_forward():
+    import dataclasses
+
+    from h2jax.planner.fit import achieved_efficiency
+
+    c = dataclasses.replace(load_chip("cpu"), dispatch_us=30.0)
+    for b, t in ((1, 1), (4, 1), (4, 2)):
+        n = b * 32
+        fwd = cm.stage_terms(TINY, 32, b, c, 1, t, "none", False, False, 1).fwd(1)  # a one-layer stage
+        assert achieved_efficiency(TINY, 32, c, t, n, fwd) == pytest.approx(cm.efficiency(n, 64 / t, c.efficiency))
+
+
+def test_a_chip_faster_than_its_file_gets_a_higher_peak_and_a_curve_capped_at_one():
+    import dataclasses
+
+    from h2jax.planner.fit import chip_fits
+
+    file_chip = dataclasses.replace(load_chip("cpu"), dispatch_us=0.0, hbm_gbps=20.0)
+    true_chip = dataclasses.replace(file_chip, peak_tflops=2 * file_chip.peak_tflops)
+    fwd = cm.stage_terms(TINY, 32, 2, true_chip, 1, 1, "none", False, False, 1).fwd(1)
+    fits = chip_fits(file_chip, TINY, 32, [(1, 64, fwd)], hbm_gbps=20.0)
+    assert fits["hbm_gbps"] == 20.0 and "dispatch_us" not in fits  # one token count: no intercept
+    assert fits["peak_tflops"] == pytest.approx(2 * 0.75 * file_chip.peak_tflops)
+    assert fits["efficiency"] == {"max": 1.0, "half_tokens": 256.0, "half_width": 256.0}

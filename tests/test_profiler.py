@@ -16,7 +16,7 @@ def profile_file(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "tiny.json"
     rc = cli_main(["profile", "--chip", "emu-mid,emu-slow", "--model", "tiny", "--seq-len", "16",
                    "--tensor", "1", "--micro-batch", "1,2", "--repeats", "3", "--warmup", "1",
-                   "--out", str(out)])
+                   "--max-spread", "100", "--out", str(out)])  # a shared test machine is noisy
     assert rc == 0
     return out
 
