@@ -149,7 +149,7 @@ def copy(saved, tmp_path):
 
 def _array_file(directory):
     item = ckpt.step_dir(directory, 3) / "layers_000-003"  # one process: one item
-    sums = json.loads((item.parent / ("layers_000-003" + ckpt.SUMS)).read_text())
+    sums = json.loads((item.parent / ("layers_000-003" + ckpt.MANIFEST)).read_text())["files"]
     rel = max(sums, key=lambda r: sums[r][0])  # the largest file: array data
     return item / rel
 
@@ -358,7 +358,21 @@ def test_under_mpi_kill_during_save_then_resume_on_the_same_and_another_plan(tok
     straight = json.loads(out.read_text())
     assert len(straight) == 5 and ckpt.complete_steps(directory) == [3]
     items = sorted(p.name for p in ckpt.step_dir(directory, 3).iterdir() if p.is_dir())
-    assert items == ["layers_000-001", "layers_002-003"]  # one item per stage, by its layers
+    # One item per stage, named by its layers; stage 0's two processes wrote each element of its
+    # arrays once between them (replicated ones by one process, ZeRO-1 halves each), each
+    # recording where its parts lie.
+    assert items == ["layers_000-001", "layers_002-003"]
+    step3 = ckpt.step_dir(directory, 3)
+    layouts = [json.loads((step3 / "layers_000-001.manifest").read_text())["groups"],
+               json.loads((step3 / "layers_000-001.p1.layout").read_text())["groups"]]
+    assert all(layout for layout in layouts)  # both processes wrote parts
+    for group in ("embed", "layer_000", "layer_001"):
+        entries = [e for layout in layouts for e in layout[group]]
+        for path in {e["path"] for e in entries}:
+            written = sum(np.prod([b - a for a, b in box]) for e in entries if e["path"] == path
+                          for box, _ in e["pieces"])
+            shape = next(e["shape"] for e in entries if e["path"] == path)
+            assert written == np.prod(shape), (group, path)
 
     resume = ["-m", "h2jax", "run", "--steps", "2", "--data", str(token_file), "--checkpoint-dir",
               str(directory), "--resume", "3", "--json"]

@@ -2,37 +2,47 @@
 
 Layout of a checkpoint directory D:
 
-    D/step_000006/checkpoint.json       step, data position, RNG seed, model config, the plan
-                                        that wrote it, and which item holds each layer group
-    D/step_000006/layers_000-003/       one orbax PyTree item per writing process (under MPI: per
-    D/step_000006/layers_000-003.sums   stage); its top-level keys are global group names
-                                        (`embed`, `layer_000`, ..., `head`), each {params, opt,
-                                        opt_shared}; .sums: each file's size and CRC-32
-    D/step_000009.pending/              a checkpoint being written: never read
+    D/step_000006/checkpoint.json        step, data position, RNG seed, the learning-rate
+                                         schedule's length, model config, the plan that wrote
+                                         it, and which items hold each layer group
+    D/step_000006/layers_000-003/        one orbax PyTree item per writing process; its keys
+    D/step_000006/layers_000-003.manifest  are global group names (`embed`, `layer_000`, ...,
+                                         `head`), each ONE byte array: the group's parameters
+                                         and optimizer state packed; .manifest: where each
+                                         array lies in it, each file's size and CRC-32
+    D/step_000009.pending/               a checkpoint being written: never read
 
 A group holds one layer's parameters and its optimizer state (the moments of that layer's
 parameters; `opt_shared` repeats the optimizer's scalars, e.g. AdamW's step count), so a stage
 of any other plan -- other split, meshes, chip types, schedule, process count -- reads just
-its own groups and orbax lays each array out on the stage's mesh (`restore` passes the
-stage's target shardings; ZeRO-1 moments land split over the new `data` axis).
+its own groups (one orbax call per item, each group one array) and lays each array out on the
+stage's mesh (ZeRO-1 moments land split over the new `data` axis). One array per group, not
+one per parameter: orbax's cost is per array (about 1 ms to write, 0.3 ms to read), which at
+hundreds of small arrays was most of the time.
 
-Atomic: every process writes its item into `step_N.pending/` (orbax: each process
-writes only its own shards, once per shard); when every stage reports its item finished, the
-primary process writes checkpoint.json and renames the directory to `step_N` -- one rename, so
-a checkpoint is visible only when complete and a crash mid-write leaves the previous one
-intact. Asynchronous: `save` returns once the state is copied on its devices (one compiled
-program: the next update donates the live buffers); orbax copies it to the host and writes the
-files in a background thread while training goes on.
+Each process writes its own item. A process that holds a whole stage (the usual case) writes
+whole arrays; the processes of a multi-process stage (`layers_000-001.p0`, `.p1`) each write
+the shards of replica 0 on their devices, so every shard is written once, by one process, and
+a reader puts the pieces back together.
+
+Atomic: every process writes its item into `step_N.pending/`; when every process reports its
+item finished, the primary process writes checkpoint.json and renames the directory to
+`step_N` -- one rename, so a checkpoint is visible only when complete and a crash mid-write
+leaves the previous one intact. Asynchronous: `save` returns once the state is copied on its
+devices (one compiled program per stage: the next update donates the live buffers); a
+background thread copies it to the host, packs it and has orbax write it while training goes
+on.
 
 Everything a resume needs is checked by `open_checkpoint` before any stage compiles: the
 format, the model config, the data settings, that each needed item exists, and the size and
-CRC-32 of every file of the items the process will read. Any failure is one `CheckpointError` that names
-the file and the cause.
+CRC-32 of every file of the items the process will read. Any failure is one `CheckpointError`
+that names the file and the cause.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -44,15 +54,17 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
 
 import jax
+import numpy as np
 
 from h2jax.config import ConfigError
 from h2jax.plan import Plan, plan_from_dict
 
-FORMAT = 1
+FORMAT = 2  # 1: one orbax array per parameter (read no more: each group is one packed array now)
 META = "checkpoint.json"
 PENDING = ".pending"
 DELETING = ".deleting"
-SUMS = ".sums"
+MANIFEST = ".manifest"
+ALIGN = 64  # each array's offset in its group's bytes: any dtype can be viewed in place
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -65,16 +77,15 @@ def step_dir(directory: str | Path, step: int) -> Path:
 
 
 def item_name(plan: Plan, stages: Iterable[int]) -> str:
-    """Directory of the item holding `stages` (the stages one process writes), named for
-    their layers."""
+    """The name of what `stages` (the stages one writing unit runs) write, after their layers."""
     stages = list(stages)
     start, end = plan.stages[min(stages)].layers[0], plan.stages[max(stages)].layers[1]
     return f"layers_{start:03d}-{end - 1:03d}"
 
 
-def group_index(plan: Plan, stage_sets: Iterable[Iterable[int]]) -> dict[str, str]:
-    """{group: item that holds it} when each of `stage_sets` is written as one item."""
-    return {g: item_name(plan, stages) for stages in stage_sets for i in stages for g in stage_groups(plan, i)}
+def group_index(plan: Plan, units: Iterable[tuple[list[int], int]]) -> dict[str, list[str]]:
+    """{group: [the item holding it]} when each unit (stages, processes) writes one item."""
+    return {g: [item_name(plan, stages)] for stages, _ in units for i in stages for g in stage_groups(plan, i)}
 
 
 # ----------------------------------------------------------------------------- state <-> groups
@@ -147,6 +158,89 @@ def opt_state_from_groups(abstract_opt_state, loaded: Mapping[str, Mapping]) -> 
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+# ----------------------------------------------------------------------------- one group, one array
+
+
+def _path_name(path) -> str:
+    return "/".join(_key_name(k) for k in path)
+
+
+def _parts(x) -> list[tuple[list[list[int]], Any]]:
+    """The parts of array `x` this process writes, as ([[start, stop] per dimension], array):
+    the whole array when this process holds all of it, else its shards of replica 0 (each
+    shard of a multi-process stage lies on exactly one process as replica 0). Known without
+    waiting for the values."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return [([[0, d] for d in np.shape(x)], x)]
+    return [([[s.start or 0, d if s.stop is None else s.stop] for s, d in zip(shard.index, x.shape)], shard.data)
+            for shard in x.addressable_shards if shard.replica_id == 0]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def packed_size(tree) -> int:
+    """The bytes pack_group makes of `tree` on this process."""
+    return sum(_aligned(a.nbytes) for x in jax.tree.leaves(tree) for _, a in _parts(x))
+
+
+def pack_group(tree, size: int | None = None) -> tuple[np.ndarray, list[dict]]:
+    """A group's arrays (this process's parts of them) as one byte array (`size` bytes when
+    given, zero-padded), and where each lies in it: [{path, dtype, shape, pieces: [[box,
+    offset], ...]}] in the tree's leaf order."""
+    entries, parts, offset = [], [], 0
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        pieces = []
+        for box, a in _parts(x):
+            pieces.append([box, offset])
+            parts.append((offset, a))
+            offset += _aligned(a.nbytes)
+        entries.append({"path": _path_name(path), "dtype": np.dtype(x.dtype).name, "shape": list(x.shape),
+                        "pieces": pieces})
+    packed = np.zeros(offset if size is None else size, np.uint8)
+    for start, a in parts:
+        packed[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return packed, entries
+
+
+def unpack_leaf(path: str, want, found: list[tuple[dict, np.ndarray]], where: str) -> np.ndarray:
+    """Array `path` of a group, shaped like `want` (shape, dtype), from its layouts and packed
+    bytes in every item holding a part of it (`found`): a view when one item holds it whole."""
+    import jax.numpy as jnp
+
+    shape, dtype = tuple(want.shape), jnp.dtype(want.dtype)
+    if math.prod(shape) == 0:
+        return np.zeros(shape, dtype)
+    pieces = []
+    for layout, packed in found:
+        entry = next((e for e in layout if e["path"] == path), None)
+        if entry is None:
+            continue
+        if tuple(entry["shape"]) != shape or entry["dtype"] != dtype.name:
+            raise CheckpointError(f"{where}: {path} is {entry['dtype']}{entry['shape']} there, the plan needs "
+                                  f"{dtype.name}{list(shape)}")
+        pieces += [(box, offset, packed) for box, offset in entry["pieces"]]
+    if not pieces:
+        raise CheckpointError(f"{where}: holds no {path} (an optimizer state of another structure?)")
+    out, covered = None, 0
+    for box, offset, packed in pieces:
+        dims = tuple(b - a for a, b in box)
+        n = math.prod(dims) * dtype.itemsize
+        if offset + n > packed.nbytes:
+            raise CheckpointError(f"{where}: {path} lies past the end of its packed bytes (truncated item?)")
+        values = packed[offset:offset + n].view(dtype).reshape(dims)
+        if len(pieces) == 1 and dims == shape:
+            return values
+        if out is None:
+            out = np.empty(shape, dtype)
+        out[tuple(slice(a, b) for a, b in box)] = values
+        covered += math.prod(dims)
+    if covered != math.prod(shape):
+        raise CheckpointError(f"{where}: the parts of {path} cover {covered} of its {math.prod(shape)} elements")
+    return out
+
+
 # ----------------------------------------------------------------------------- file checks
 
 
@@ -198,8 +292,8 @@ class World(Protocol):
 
     is_primary: bool  # the one process that writes checkpoint.json and renames
 
-    def stage_sets(self, plan: Plan) -> list[list[int]]:
-        """The stages of `plan` each process (or multi-process stage) writes as one item."""
+    def units(self, plan: Plan) -> list[tuple[list[int], int]]:
+        """The writing units of `plan`: (the stages a unit runs, how many processes run them)."""
 
     def all_done(self, local_done: bool) -> bool:
         """Collective: whether every process's writes are finished."""
@@ -210,80 +304,141 @@ class LocalWorld:
 
     is_primary = True
 
-    def stage_sets(self, plan: Plan) -> list[list[int]]:
-        return [list(range(plan.n_stages))]
+    def units(self, plan: Plan) -> list[tuple[list[int], int]]:
+        return [(list(range(plan.n_stages)), 1)]
 
     def all_done(self, local_done: bool) -> bool:
         return local_done
 
 
 class TransportWorld:
-    """Processes joined by a transport (MPI): agreement through its cross-stage sum, to which
-    each stage's leader brings whether its item is written."""
+    """Processes joined by a transport (MPI), one stage per group of processes: agreement
+    through the transport's sum over every process, to which each brings whether its item
+    is written."""
 
-    def __init__(self, transport, executors: Mapping[int, Any], n_stages: int):
-        self.transport, self.n_stages = transport, n_stages
-        self.led = [i for i, ex in executors.items() if ex.is_stage_leader]
-        self.is_primary = 0 in self.led
+    def __init__(self, transport, executors: Mapping[int, Any], plan: Plan):
+        self.transport, self.n_processes = transport, plan.n_processes
+        self.is_primary = 0 in executors and all(ex.is_stage_leader for ex in executors.values())
 
-    def stage_sets(self, plan: Plan) -> list[list[int]]:
-        return [[i] for i in range(plan.n_stages)]  # one stage per process group
+    def units(self, plan: Plan) -> list[tuple[list[int], int]]:
+        return [([i], s.processes) for i, s in enumerate(plan.stages)]
 
     def all_done(self, local_done: bool) -> bool:
-        done = self.transport.sum_across_stages({i: float(local_done) for i in self.led})
-        return done >= self.n_stages
+        return self.transport.sum_across_stages({0: float(local_done)}) >= self.n_processes
 
 
-def _processes():
-    """orbax's options naming every process of this JAX world: its barriers then go through
-    the jax.distributed client. By default it would run them as JAX collectives over the
-    devices, which from the writing thread could interleave with the training step's own
-    collectives (gloo on CPU refuses the mismatch)."""
+def _processes(collective: bool):
+    """orbax's world: this process alone (an item of its own, or reading), or every process
+    of its stage (a stage spanning processes writes one item together; orbax's barriers then
+    go through the jax.distributed client, not device collectives, which from the writing
+    thread could interleave with the step's own)."""
     import orbax.checkpoint as ocp
 
-    return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count())))
+    me = jax.process_index()
+    if collective:
+        return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count())))
+    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
 
 
-def _handler():
+def _checkpointer(collective: bool = False):
     import orbax.checkpoint as ocp
 
-    # OCDBT: the arrays of an item go into a few large files (one zarr directory per array
-    # made ~40x more files and was slower to write and read); each array is still its own
-    # key, so a stage reads only its groups. No compression: parameters do not compress.
-    return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                       multiprocessing_options=_processes())
+    # OCDBT: an item's arrays go into a few large files. No compression: parameters do not
+    # compress. The packed arrays are ours and never change: orbax need not copy them first
+    # (its default, ~40% of a save).
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.ArrayHandler()))  # a multi-process stage's rows
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
+                                          type_handler_registry=registry,
+                                          multiprocessing_options=_processes(collective))
+    return ocp.Checkpointer(handler, multiprocessing_options=_processes(collective))
 
 
 class _ItemWrite:
-    """This process's item of one checkpoint, written by orbax in a background thread.
+    """This process's part of one checkpoint, written in a background thread.
 
     The training thread only snapshots the state (a device-side copy: the next update
-    donates the live buffers); orbax's own blocking part -- per-array metadata, the copy to
-    the host -- and the file writes all run off the training thread."""
+    donates the live buffers); the copy to the host, the packing (one byte array per group),
+    orbax's write and the checksums all run off the training thread.
 
-    def __init__(self, pending: Path, name: str, snapshot: dict, leader: bool):
-        self.path, self.leader = pending / name, leader
+    A unit of several processes (one stage spanning processes) writes one item together:
+    each group is a [processes, row] byte array whose row k process k packs from its shards
+    of replica 0 (`rows`: each group's row length, agreed in `save`), and each process
+    records its row's layout in its own file (`<item>.p<k>.layout`)."""
+
+    def __init__(self, pending: Path, name: str, snapshot: dict, rows: dict[str, int] | None = None):
+        self.path, self.rows = pending / name, rows
         self.error: BaseException | None = None
         self.done = threading.Event()
         # One orbax save at a time per process: its operation ids are process-global.
-        threading.Thread(target=self._write, args=(snapshot,), name=f"h2jax-ckpt-{name}", daemon=True).start()
+        self.thread = threading.Thread(target=self._write, args=(snapshot,), name=f"h2jax-ckpt-{name}",
+                                       daemon=True)
+        self.thread.start()
 
-    def _write(self, tree: dict) -> None:
+    def _write(self, snapshot: dict) -> None:
         try:
             import orbax.checkpoint as ocp
 
-            checkpointer = ocp.AsyncCheckpointer(_handler(), multiprocessing_options=_processes())
+            packed, layout = {}, {}
+            for g, tree in snapshot.items():
+                packed[g], layout[g] = pack_group(tree, None if self.rows is None else self.rows[g])
+            del snapshot  # the device copies go as soon as they are on the host
+            if self.rows is not None:
+                packed = _rows_array(packed)
+            checkpointer = _checkpointer(collective=self.rows is not None)
             try:
-                checkpointer.save(self.path, args=ocp.args.PyTreeSave(tree), force=True)
-                checkpointer.wait_until_finished()
+                checkpointer.save(self.path, args=ocp.args.PyTreeSave(packed))
             finally:
                 checkpointer.close()
-            if self.leader:
-                _write_json(self.path.with_name(self.path.name + SUMS), file_sums(self.path))
+            me = jax.process_index()
+            if me == 0:
+                _write_json(self.path.with_name(self.path.name + MANIFEST),
+                            {"processes": jax.process_count(), "groups": layout, "files": file_sums(self.path)})
+            else:
+                _write_json(_layout_file(self.path, me), {"groups": layout})
         except BaseException as e:  # surfaced in the training thread by CheckpointWriter
             self.error = e
         finally:
             self.done.set()
+
+    def wait(self) -> None:
+        """Until written (or failed) and the thread has ended: no thread outlives its write."""
+        self.done.wait()
+        self.thread.join()
+
+
+def _layout_file(item: Path, process: int) -> Path:
+    return item.with_name(f"{item.name}.p{process}.layout")
+
+
+def _row_lengths(snapshot: dict) -> dict[str, int]:
+    """Each group's row length for a unit of several processes: the most any of them packs.
+    Collective over the stage's processes (on the training thread, where every process
+    saves at the same point)."""
+    from jax.experimental import multihost_utils
+
+    names = sorted(snapshot)
+    sizes = [packed_size(snapshot[g]) for g in names]
+    split = np.array([[n >> 30 for n in sizes], [n & (2**30 - 1) for n in sizes]], np.int32)  # int32 on every JAX
+    every = np.asarray(multihost_utils.process_allgather(split)).astype(np.int64)  # [process, 2, group]
+    longest = (every[:, 0] << 30 | every[:, 1]).max(axis=0)
+    return {g: max(int(n), ALIGN) for g, n in zip(names, longest)}
+
+
+def _rows_array(packed: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """{group: [processes, row] array across the stage's processes}, row k this process's bytes
+    (orbax writes numpy arrays from the first process only; a global array, every process
+    its own row)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+              for p in range(jax.process_count())]
+    sharding = NamedSharding(Mesh(np.array(firsts), ("p",)), PartitionSpec("p"))
+    mine = firsts[jax.process_index()]
+    return {g: jax.make_array_from_single_device_arrays((len(firsts), row.size), sharding,
+                                                        [jax.device_put(row[None], mine)])
+            for g, row in packed.items()}
 
 
 _SNAPSHOT: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # executor -> compiled copy
@@ -321,18 +476,20 @@ class CheckpointWriter:
             raise ValueError("nothing to save: no stages")
         plan = next(iter(executors.values())).plan
         mine = sorted(executors)
-        if mine not in self.world.stage_sets(plan):
+        units = self.world.units(plan)
+        unit = next((u for u in units if u[0] == mine), None)
+        if unit is None:
             raise ValueError(f"this process runs stages {mine}, not one of the writing units "
-                             f"{self.world.stage_sets(plan)} of its world")
-        meta = {**meta, "groups": group_index(plan, self.world.stage_sets(plan))}
+                             f"{[u[0] for u in units]} of its world")
+        meta = {**meta, "groups": group_index(plan, units)}
         pending = self.directory / (step_dir(self.directory, step).name + PENDING)
         pending.mkdir(parents=True, exist_ok=True)
         snapshot: dict = {}
         for i in mine:  # every layer chunk of an interleaved stage
             for ex in getattr(executors[i], "chunks", None) or [executors[i]]:
                 snapshot.update(self._snapshot(ex))
-        leader = all(ex.is_stage_leader for ex in executors.values())
-        self._pending = (step, meta, [_ItemWrite(pending, item_name(plan, mine), snapshot, leader)])
+        rows = _row_lengths(snapshot) if unit[1] > 1 else None
+        self._pending = (step, meta, [_ItemWrite(pending, item_name(plan, mine), snapshot, rows)])
 
     def _snapshot(self, ex) -> dict:
         """A copy of the stage's state on its devices, in one compiled program (the next
@@ -346,6 +503,7 @@ class CheckpointWriter:
         step, _, writes = self._pending
         for w in writes:
             if w.done.is_set() and w.error is not None:
+                w.wait()
                 raise CheckpointError(
                     f"writing checkpoint step {step} to {w.path} failed: {w.error!r}"
                 ) from w.error
@@ -365,7 +523,7 @@ class CheckpointWriter:
         if self._pending is None:
             return None
         for w in self._pending[2]:
-            w.done.wait()
+            w.wait()
         self.world.all_done(self._local_done())  # every process reaches this point
         return self._commit()
 
@@ -419,9 +577,12 @@ def checkpoint_meta(plan: Plan, step: int, *, data_path: str | None = None) -> d
         "data": {"position": step, "seed": plan.seed, "path": data_path,
                  "seq_len": plan.seq_len, "global_batch": plan.global_batch},
         "rng": {"seed": plan.seed},
+        # The learning-rate schedule's length (warm-up included; None: no schedule): a resumed
+        # run continues the same curve unless told another length (resumed_plan).
+        "lr_schedule_steps": plan.train.decay_steps,
         "model": plan.model.to_dict(),
         "plan": plan.to_dict(),
-        # "groups" ({group: item}) is added by CheckpointWriter.save, which knows the items
+        # "groups" ({group: [items]}) is added by CheckpointWriter.save, which knows the items
     }
 
 
@@ -459,7 +620,9 @@ class Checkpoint:
 
     path: Path
     meta: dict
-    sums: dict[str, dict[str, list[int]]]  # item -> file -> [size, crc32], for the items read
+    # item -> {"files": {file: [size, crc32]}, "layouts": [each writing process's {group: layout}]},
+    # for the items read
+    manifests: dict[str, dict]
 
     @property
     def step(self) -> int:
@@ -473,34 +636,60 @@ class Checkpoint:
     def restore(self, executor) -> None:
         """Load `executor`'s groups onto its shardings: its parameters and optimizer state
         (each chunk's, for an interleaved stage)."""
+        self.restore_all([executor])
+
+    def restore_all(self, executors: Iterable[Any]) -> None:
+        """Load every executor's groups (each chunk's, for an interleaved stage): one orbax
+        read per item, the arrays viewed in the packed bytes, then one transfer onto the
+        stages' shardings."""
+        stages = [c for ex in executors for c in (getattr(ex, "chunks", None) or [ex])]
+        wanted = [group_trees(*ex._abstract_state[:2]) for ex in stages]
+        packed = self._read({g for groups in wanted for g in groups})
+        hosts, targets = [], []
+        for groups in wanted:
+            for g, tree in groups.items():
+                item = self.meta["groups"][g][0]
+                rows = packed[item][g].reshape(-1, packed[item][g].shape[-1])  # one per writing process
+                found = [(layout[g], rows[k]) for k, layout in enumerate(self.manifests[item]["layouts"])
+                         if g in layout]
+                where = str(self.path / (item + MANIFEST))
+                for path, want in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                    hosts.append(unpack_leaf(_path_name(path), want, found, where))
+                    targets.append(want)
+        if all(t.sharding.is_fully_addressable for t in targets):
+            arrays = iter(jax.device_put(hosts, [t.sharding for t in targets]))
+        else:  # a stage spanning processes: each builds its own shards
+            arrays = iter([jax.make_array_from_callback(t.shape, t.sharding, lambda i, h=h: h[i])
+                           for h, t in zip(hosts, targets)])
+        for ex, groups in zip(stages, wanted):
+            loaded = {g: jax.tree.unflatten(jax.tree.structure(tree), [next(arrays) for _ in jax.tree.leaves(tree)])
+                      for g, tree in groups.items()}
+            abstract_params, abstract_opt, _ = ex._abstract_state
+            ex.params = {g: loaded[g]["params"] for g in abstract_params}
+            ex.opt_state = opt_state_from_groups(abstract_opt, loaded)
+
+    def _read(self, groups: set[str]) -> dict[str, dict[str, np.ndarray]]:
+        """{item: {group: its packed bytes}} of `groups`: one orbax restore per item."""
         import orbax.checkpoint as ocp
 
-        for chunk in getattr(executor, "chunks", None) or []:
-            self.restore(chunk)
-        if getattr(executor, "chunks", None):
-            return
-
-        abstract_params, abstract_opt, _ = executor._abstract_state
-        wanted = group_trees(abstract_params, abstract_opt)
-        by_item: dict[str, dict] = {}
-        for g, tree in wanted.items():
-            by_item.setdefault(self.meta["groups"][g], {})[g] = tree
-        loaded: dict[str, dict] = {}
-        checkpointer = ocp.Checkpointer(_handler(), multiprocessing_options=_processes())
-        for item, item_tree in sorted(by_item.items()):
-            path = self.path.absolute() / item
-            try:
-                got = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-                    item=item_tree,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(item_tree),
-                    partial_restore=True,
-                ))
-            except Exception as e:  # noqa: BLE001 -- one clear error for any storage failure
-                raise CheckpointError(f"{path}: cannot be read: {type(e).__name__}: {e}") from e
-            loaded.update({g: got[g] for g in item_tree})
-        checkpointer.close()
-        executor.params = {g: loaded[g]["params"] for g in abstract_params}
-        executor.opt_state = opt_state_from_groups(abstract_opt, loaded)
+        by_item: dict[str, list[str]] = {}
+        for g in sorted(groups):
+            by_item.setdefault(self.meta["groups"][g][0], []).append(g)
+        out = {}
+        checkpointer = _checkpointer()
+        try:
+            for item, names in sorted(by_item.items()):
+                path = self.path.absolute() / item
+                tree = {g: np.zeros(0, np.uint8) for g in names}
+                try:
+                    out[item] = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                        item=tree, restore_args={g: ocp.RestoreArgs(restore_type=np.ndarray) for g in names},
+                        partial_restore=True))
+                except Exception as e:  # noqa: BLE001 -- one clear error for any storage failure
+                    raise CheckpointError(f"{path}: cannot be read: {type(e).__name__}: {e}") from e
+        finally:
+            checkpointer.close()
+        return out
 
 
 def read_checkpoint(directory: str | Path, step: int | None = None) -> tuple[Path, dict]:
@@ -550,17 +739,54 @@ def open_checkpoint(
     _check_meta(path / META, meta, plan)
     stages = range(plan.n_stages) if stages is None else stages
     needed = [g for i in stages for g in stage_groups(plan, i)]
-    items = sorted({meta["groups"][g] for g in needed})
-    sums = {}
+    items = sorted({item for g in needed for item in meta["groups"][g]})
+    manifests = {}
     for item in items:
         if not (path / item).is_dir():
-            holds = sorted(g for g, it in meta["groups"].items() if it == item)
+            holds = sorted(g for g, its in meta["groups"].items() if item in its)
             raise CheckpointError(f"{path / item}: missing (it holds {', '.join(holds)})")
-        sums[item] = _read_json(path / (item + SUMS), f"file sizes and checksums of {item}")
+        manifests[item] = _read_manifest(path / item)
+    absent = sorted(g for g in set(needed) if not any(g in layout for layout in manifests[meta["groups"][g][0]]["layouts"]))
+    if absent:
+        where = ", ".join(str(path / (item + MANIFEST)) for item in sorted({meta["groups"][g][0] for g in absent}))
+        raise CheckpointError(f"{where}: holds no {', '.join(absent)}, which {path / META} places there")
     if verify:
         for item in items:
-            _verify_item(path / item, sums[item])
-    return Checkpoint(path, meta, sums)
+            _verify_item(path / item, manifests[item]["files"])
+    return Checkpoint(path, meta, manifests)
+
+
+def resumed_plan(plan: Plan, directory: str | Path, step: int | None = None) -> Plan:
+    """`plan` to resume the checkpoint in `directory` (the newest, or `step`) with: when the
+    plan does not fix its learning-rate schedule's length (train.decay_steps), the length the
+    checkpoint's run had, so the resumed run continues the same curve rather than starting a
+    schedule as long as its own --steps."""
+    import dataclasses
+
+    if plan.train.decay_steps is not None or (plan.train.lr_schedule == "constant" and plan.train.warmup_steps == 0):
+        return plan
+    _, meta = read_checkpoint(directory, step)
+    length = meta.get("lr_schedule_steps")
+    if length is None:
+        return plan
+    return dataclasses.replace(plan, train=dataclasses.replace(plan.train, decay_steps=int(length)))
+
+
+def _read_manifest(item: Path) -> dict:
+    """An item's file sums and the layout each writing process recorded."""
+    manifest_file = item.with_name(item.name + MANIFEST)
+    manifest = _read_json(manifest_file, f"the layout and checksums of {item.name}")
+    processes = manifest.get("processes")
+    if not isinstance(manifest.get("groups"), dict) or not isinstance(manifest.get("files"), dict) \
+            or not isinstance(processes, int) or processes < 1:
+        raise CheckpointError(f"{manifest_file}: fields 'processes', 'groups' and 'files' expected")
+    layouts = [manifest["groups"]]
+    for k in range(1, processes):
+        layout = _read_json(_layout_file(item, k), f"the layout process {k} of {item.name}'s stage wrote")
+        if not isinstance(layout.get("groups"), dict):
+            raise CheckpointError(f"{_layout_file(item, k)}: field 'groups' expected")
+        layouts.append(layout["groups"])
+    return {"files": manifest["files"], "layouts": layouts}
 
 
 def _check_meta(where: Path, meta: dict, plan: Plan) -> None:
@@ -619,7 +845,7 @@ class RunCheckpoints:
             raise CheckpointError(f"--save-every must be >= 1, got {save_every}")
         plan = trainer.plan
         world = (LocalWorld() if getattr(trainer, "role", None) is None
-                 else TransportWorld(trainer.transport, trainer.executors, plan.n_stages))
+                 else TransportWorld(trainer.transport, trainer.executors, plan))
         self.trainer, self.save_every, self.dataset = trainer, save_every, dataset
         self.writer = CheckpointWriter(directory, keep=keep, world=world)
         self.saved_step: int | None = None
