@@ -210,9 +210,26 @@ def test_emulation_stretches_compute_not_dispatch_nor_contention(fake_time):
     clock.run(lambda: fake_time.work(0.25, wall=1.0))  # a third of the wall time on a core
     assert (clock.measured_s, clock.busy_s) == (0.5, 4.0) and clock.free_at == 104.5
     assert clock.host_lag_s == 0.0  # the chip was busy when the host dispatched again
-    fake_time.now = 105.0  # the host falls behind: the chip waits 0.5 s for its next dispatch
+
+
+def test_the_host_running_every_stage_does_not_hold_a_chip_back(fake_time):
+    """One host dispatches several stages' computes in turn; each chip it emulates has a host
+    of its own. A late dispatch is counted as host lag, not on the chip's timeline, except
+    for the first compute after a synchronization (and always in a one-stage process)."""
+    clock = emulation.StageClock(slowdown=8.0, defer=True)
+    clock.run(lambda: fake_time.work(0.25, dispatch=0.5))  # the first: from its dispatch at 100.5
+    assert clock.last_interval == (100.5, 102.5) and clock.host_lag_s == 0.0
+    fake_time.now = 105.0  # the host was busy with other stages: it dispatches at 105.25
     clock.run(lambda: fake_time.work(0.25, dispatch=0.25))
-    assert clock.host_lag_s == 0.75 and clock.last_interval == (105.25, 107.25)
+    assert clock.last_interval == (102.5, 104.5) and clock.host_lag_s == 105.25 - 102.5
+    clock.wait()  # a synchronization (the host reads a result): the next compute is the host's
+    clock.run(lambda: fake_time.work(0.25, dispatch=0.25))  # dispatched at 105.75
+    assert clock.last_interval == (105.75, 107.75) and clock.host_lag_s == 2.75 + (105.75 - 104.5)
+    alone = emulation.StageClock(slowdown=8.0, defer=False)  # its own host: always from its dispatch
+    alone.run(lambda: fake_time.work(0.25))  # dispatched at 106, sleeps until its chip is done (108)
+    fake_time.now += 1.0
+    alone.run(lambda: fake_time.work(0.25))
+    assert alone.last_interval == (109.0, 111.0) and alone.host_lag_s == 1.0
     # the same compute on an idle host: the same busy time
     idle = emulation.StageClock(slowdown=8.0, defer=True)
     idle.run(lambda: fake_time.work(0.25))

@@ -23,12 +23,17 @@ time is what the host really takes. `h2jax profile` measures an emulated chip wi
 When one process runs several stages (the local transport), sleeping inside each compute
 call would serialize a pipeline whose chips, in the system being emulated, run concurrently.
 Instead each stage keeps a `StageClock`: the time its chip becomes free. A compute starts
-when the host has dispatched it, the chip is free and its input has arrived (the sender's
-clock when it sent), and ends `busy_s` later; `ClockedTransport` carries the arrival times
-across boundaries. The step then waits until every chip is free, so its wall time is the
-emulated pipeline's makespan (or the host's own time, if that is longer: the emulation
-cannot run faster than the host dispatches). A process that runs one stage sleeps right
-after each compute, which is the same thing.
+when the chip is free and its input has arrived (the sender's clock when it sent), and ends
+`busy_s` later; `ClockedTransport` carries the arrival times across boundaries. The one host
+that dispatches every stage's computes in turn does not hold a chip back: in the system
+being emulated each chip has a host of its own, whose asynchronous dispatch runs ahead of
+its chip. Only the first compute after a synchronization (`wait`: the step's start, the
+gradient norm before the update) starts no earlier than the host dispatched it. The step then
+waits until every chip is free, so its wall time is the emulated pipeline's makespan, or the
+host's own time if that is longer (the emulation cannot run faster than the host computes
+every stage in turn; `host_lag_s` counts how far the host fell behind a chip). A process
+that runs one stage is its chip's own host: its computes start no earlier than dispatched,
+and it sleeps right after each, which is the same thing.
 """
 
 from __future__ import annotations
@@ -80,10 +85,11 @@ class StageClock:
         self._input_at = 0.0  # arrival of the input the next compute consumes
         self.measured_s = 0.0  # host compute seconds (per device if emulated), summed (reset by the caller)
         self.busy_s = 0.0  # seconds the chip was busy, summed
-        # seconds the chip sat free, its input there, until the host dispatched its next compute:
-        # where the host, not the emulated chip, set the pace (reset by the caller)
+        # seconds the host dispatched a compute after its chip was free with its input there:
+        # how far the one host running every local stage fell behind this chip (reset by the caller)
         self.host_lag_s = 0.0
         self.last_interval = (0.0, 0.0)  # (start, end) of the latest compute on this clock
+        self._synced = True  # the next compute is the first after a synchronization (`wait`)
 
     def arrive(self, t: float) -> None:
         self._input_at = max(self._input_at, t)
@@ -97,10 +103,10 @@ class StageClock:
             out = jax.block_until_ready(fn(*args))
             measured = time.perf_counter() - ready
         floor = max(self.free_at, self._input_at)
-        start = max(ready, floor)
+        start = max(ready, floor) if self._synced or not self.defer else floor
         if floor > 0.0:  # not the clock's first compute
-            self.host_lag_s += start - floor
-        self._input_at = 0.0
+            self.host_lag_s += max(0.0, ready - floor)
+        self._input_at, self._synced = 0.0, False
         busy = self.slowdown * measured
         self.free_at = start + busy
         self.last_interval = (start, self.free_at)
@@ -111,7 +117,9 @@ class StageClock:
         return out
 
     def wait(self) -> None:
+        """Sleep until the chip is free (a synchronization: the host reads its results)."""
         sleep_until(self.free_at)
+        self._synced = True
 
 
 class ClockedTransport(Transport):
