@@ -134,6 +134,23 @@ def test_keep_prunes_and_pending_is_never_read(dataset, tmp_path):
 
 
 
+def test_resume_continues_the_learning_rate_schedule(dataset, tmp_path):
+    """A run of 6 steps under a cosine schedule, stopped after 3 and resumed for 3 without
+    --decay-steps: the schedule keeps the stopped run's length (6, from the checkpoint), so the
+    learning rates and the losses are the straight run's."""
+    from h2jax.runtime.train import run
+
+    plan = make_plan(TWO, train={"lr_schedule": "cosine", "warmup_steps": 2})
+    straight = run(plan, 6, dataset=dataset, emulate_time=False)
+    stopped = Trainer(plan, steps=6, emulate_time=False)  # as `h2jax run --steps 6`, stopped after 3
+    first = train(stopped, dataset, 0, 3)
+    stopped.save(tmp_path)
+    assert json.loads((ckpt.step_dir(tmp_path, 3) / ckpt.META).read_text())["lr_schedule_steps"] == 6
+    resumed = run(plan, 3, dataset=dataset, emulate_time=False, checkpoint_dir=str(tmp_path), resume=True)
+    assert resumed.learning_rates == straight.learning_rates[3:]
+    np.testing.assert_array_equal(first + resumed.losses, straight.losses)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

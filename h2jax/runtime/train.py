@@ -472,6 +472,10 @@ def run(
 
     plan = load_plan(plan) if isinstance(plan, str) else plan
     check_schedule_size(plan)  # before any action list or batch is built
+    if resume is not False and checkpoint_dir is not None:  # continue the checkpoint's schedule
+        from h2jax.runtime.checkpoint import resumed_plan
+
+        plan = resumed_plan(plan, checkpoint_dir, None if resume is True else int(resume))
     plan = with_schedule_length(plan, steps)
     learning_rate_schedule(plan.optimizer, plan.train)  # a bad schedule fails before JAX starts
     dataset = dataset or default_dataset(plan)
