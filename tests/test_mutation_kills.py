@@ -308,6 +308,72 @@ def test_kills_model_unknown_attention_kernel_is_refused_by_name():
     assert str(e.value) == "attention kernel 'flash9' is unknown; use one of xla, cudnn, blocked"
 
 
+def test_kills_model_attention_default_kernel_and_unknown_kernel_message():
+    from h2jax.model import causal_attention
+
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    kv = jax.random.normal(jax.random.key(1), (1, 8, 1, 4))
+    np.testing.assert_array_equal(np.asarray(causal_attention(q, kv, kv)),
+                                  np.asarray(causal_attention(q, kv, kv, kernel="xla")))
+    with pytest.raises(ValueError) as e:
+        causal_attention(q, kv, kv, kernel="flash9")
+    assert str(e.value) == "attention kernel 'flash9' is unknown; use one of xla, cudnn, blocked"
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The precision of every dot_general in `jaxpr`, sub-jaxprs (pjit, remat, loops) included."""
+    from jax.extend import core as jex_core
+
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jex_core.ClosedJaxpr):
+                    found += _dot_precisions(sub.jaxpr)
+                elif isinstance(sub, jex_core.Jaxpr):
+                    found += _dot_precisions(sub)
+    return found
+
+
+def test_kills_model_every_matmul_takes_the_stages_precision():
+    from h2jax.config import ModelConfig
+    from h2jax.model import StageModel
+
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+    model = StageModel(cfg, 0, 1, seed=0, precision=jax.lax.Precision.HIGHEST)
+    tokens = np.zeros((1, 8), np.int32)
+    precisions = _dot_precisions(jax.make_jaxpr(lambda t: model(t, t))(tokens).jaxpr)
+    # q, k, v, scores, weighted values, out projection; gate, up, down; the head
+    assert len(precisions) == 10
+    highest = jax.lax.Precision.HIGHEST
+    assert all(p == (highest, highest) for p in precisions), precisions
+
+
+def test_kills_model_selective_recompute_wraps_each_block_with_the_policy(monkeypatch):
+    from flax import nnx
+
+    from h2jax import model as model_module
+    from h2jax.config import ModelConfig
+
+    seen = []
+    real_remat = nnx.remat
+
+    def spy(fn, **kw):
+        seen.append(kw.get("policy"))
+        return real_remat(fn, **kw)
+
+    monkeypatch.setattr(model_module.nnx, "remat", spy)
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32)
+    policy = jax.checkpoint_policies.nothing_saveable
+    tokens = np.zeros((1, 8), np.int32)
+    plain = model_module.StageModel(cfg, 0, 2, seed=0)
+    remat = model_module.StageModel(cfg, 0, 2, seed=0, remat_policy=policy)
+    np.testing.assert_allclose(float(remat(tokens, tokens)), float(plain(tokens, tokens)), rtol=1e-6)
+    assert seen == [policy]  # one wrapper, around every block, with the stage's policy
+
+
 def test_kills_model_layer_names_and_initial_scale():
     from flax import nnx
 
@@ -462,9 +528,10 @@ def test_kills_planner_cost_stage_terms_by_hand(recompute):
                                         + (4 if recompute == "full" else 2) * tp_ar, rel=1e-12)
     assert t.bwd_weight_layer == pytest.approx(mm_s, rel=1e-12)
     logit_s = 16 * 2 * 16 * 64 / 2 / rate
+    loss_s = 16 * 64 / 2 * 12 / 5e9  # the softmax cross-entropy: 12 bytes per f32 logit at HBM
     dispatch = 50e-6  # the default fixed cost of one stage compute
-    assert t.fwd_end == pytest.approx(tp_ar + logit_s + dispatch, rel=1e-12)
-    assert t.bwd_end == pytest.approx(2 * logit_s + tp_ar + dispatch, rel=1e-12)
+    assert t.fwd_end == pytest.approx(tp_ar + logit_s + loss_s + dispatch, rel=1e-12)
+    assert t.bwd_end == pytest.approx(2 * logit_s + loss_s + tp_ar + dispatch, rel=1e-12)
     assert t.bwd_weight_end == pytest.approx(logit_s, rel=1e-12)
     # data x tensor = 4 chips > 2 per node: the gradient all-reduce crosses nodes (1 GB/s)
     assert t.dp_layer == pytest.approx(4 * 1952 / 2 / 1e9, rel=1e-9)
