@@ -29,7 +29,10 @@ Python API (the `h2jax calibrate` command is a thin wrapper)::
   terms, embedding and logits, follow), `hbm_gbps` from the measured optimizer step (its
   bytes / (measured - dispatch)), and the link bandwidth a send used (intra- or
   inter-node, `cost_model.same_node`) scaled by predicted / measured send time. The
-  entries are computed last, under those fits. Give the
+  entries are computed last, under those fits. A shape the last stage shares with other
+  stages takes its per-layer times from them (layers summed); the last stage's remainder,
+  over the modelled head and loss, is its chip's `head_scale` fit (>= 0.05): then that
+  stage's forward + backward is reproduced, not each alone. Give the
   profile to `h2jax plan --profile` (or `predict`). Save it with
   `h2jax.planner.save_profile`.
 
@@ -232,25 +235,60 @@ def calibrated_profile(
                 links.setdefault((name, field), []).append(getattr(cm.calibrated(chips[name], only), field) * ratio)
     for (name, field), values in links.items():
         fits.setdefault(name, {})[field] = statistics.median(values)
-    # 3. Per-layer entries: the measured stage less its (re-fitted) end terms, per layer.
+    # 3. Per-layer entries: the measured stages less their (re-fitted) end terms, per layer.
+    #    A shape shared by the last stage and others takes its layers from the others; the
+    #    last stage's remainder then calibrates its chip's head (head_scale).
+    last = plan.stages[-1].chip
+    earlier_head = fits.setdefault(last, {}).get("head_scale")
+    fits[last]["head_scale"] = 1.0  # the head as modelled, while the layers are solved
     terms, costs, only = analytical()
-    new: dict[tuple, list[tuple[float, float]]] = {}
-    for st, t, s in zip(plan.stages, terms, measured.stages):
-        d, n = cm.calibrated(chips[st.chip], only).dispatch_s, st.n_layers
-        fwd = max(s.forward_s - t.fwd_end, 0.1 * s.forward_s) / n + d
-        bwd = max(s.backward_s - t.bwd_end, 0.1 * s.backward_s) / n + d
+    groups: dict[tuple, list[int]] = {}
+    for i, st in enumerate(plan.stages):
         tokens = int(round(plan.micro_batch / st.mesh.data * plan.seq_len))
-        new.setdefault((st.chip, st.mesh.tensor, tokens, st.recompute), []).append((fwd, bwd))
+        groups.setdefault((st.chip, st.mesh.tensor, tokens, st.recompute), []).append(i)
+    new: dict[tuple, tuple[float, float]] = {}
+    for key, members in groups.items():
+        layer_from = [i for i in members if i != p - 1] or members
+        d = cm.calibrated(chips[key[0]], only).dispatch_s
+        layers = sum(plan.stages[i].n_layers for i in layer_from)
+        fwd = sum(max(measured.stages[i].forward_s - terms[i].fwd_end, 0.1 * measured.stages[i].forward_s)
+                  for i in layer_from) / layers
+        bwd = sum(max(measured.stages[i].backward_s - terms[i].bwd_end, 0.1 * measured.stages[i].backward_s)
+                  for i in layer_from) / layers
+        new[key] = (fwd + d, bwd + d)
+        if p - 1 in members and p - 1 not in layer_from:
+            fits[last]["head_scale"] = _head_scale(plan, chips, only, options, measured.stages[-1],
+                                                   terms[-1], fwd + bwd)
+        elif p - 1 in members and earlier_head is not None:
+            fits[last]["head_scale"] = earlier_head  # not re-fitted here: the earlier profile's stays
+    if fits[last]["head_scale"] == 1.0:
+        del fits[last]["head_scale"]
+    fits = {c: f for c, f in fits.items() if f}
     entries = {c: list(es) for c, es in (profile.chips.items() if profile else ())}
-    for (chip, tensor, tokens, recompute), times in new.items():
+    for (chip, tensor, tokens, recompute), (fwd, bwd) in new.items():
         kept = [e for e in entries.get(chip, []) if (e.tensor, e.tokens, e.recompute) != (tensor, tokens, recompute)]
-        entries[chip] = kept + [ProfileEntry(tensor, tokens, statistics.fmean(f for f, _ in times),
-                                             statistics.fmean(b for _, b in times), recompute)]
+        entries[chip] = kept + [ProfileEntry(tensor, tokens, fwd, bwd, recompute)]
     source = f"h2jax calibrate: {measured.steps} measured step(s) of a {p}-stage {plan.schedule} plan"
     if profile is not None and profile.source:
         source = f"{profile.source}; {source}"
     return Profile(plan.model, plan.seq_len, {c: tuple(es) for c, es in entries.items()}, source,
                    plan.model_name or preset_name(plan.model), fits)
+
+
+def _head_scale(plan: Plan, chips: Mapping[str, Any], only: Profile, options: cm.CostOptions,
+                measured: StageMeasure, t_last: cm.StageTerms, per_layer: float) -> float:
+    """Measured / modelled head and loss of the last stage: its forward + backward less its
+    layers (`per_layer` seconds each, from the other stages of its shape) and its other end
+    terms, over the head's modelled time (head_scale 1 in `only`)."""
+    st, i = plan.stages[-1], plan.n_stages - 1
+    held, deferred = cm.memory_holds(plan.schedule, i, plan.n_stages, plan.n_micro, cm.virtual_stages(plan))
+    no_head = cm.stage_terms(plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data,
+                             st.mesh.tensor, st.recompute, i == 0, False, held, only, options, deferred)
+    head = (t_last.fwd_end + t_last.bwd_end) - (no_head.fwd_end + no_head.bwd_end)
+    rest = measured.forward_s + measured.backward_s - st.n_layers * per_layer - (no_head.fwd_end + no_head.bwd_end)
+    if head <= 0:
+        return 1.0
+    return max(rest / head, 0.05)
 
 
 def calibrate(

@@ -104,6 +104,9 @@ class ChipType:
     nics_per_node: int | None = None  # NICs sharing inter-node traffic; inter_node_gbps is per NIC
     dispatch_us: float | None = None  # fixed host cost of one stage compute (F or B of a micro-batch)
     efficiency: EfficiencyCurve = EfficiencyCurve()
+    # Measured / modelled time of the last stage's head and loss: set by a calibrated profile's
+    # fits (h2jax.calibrate), not by chip files.
+    head_scale: float = 1.0
 
     @property
     def hbm_bytes_per_s(self) -> float:

@@ -246,3 +246,19 @@ def test_a_chip_faster_than_its_file_gets_a_higher_peak_and_a_curve_capped_at_on
     assert fits["hbm_gbps"] == 20.0 and "dispatch_us" not in fits  # one token count: no intercept
     assert fits["peak_tflops"] == pytest.approx(2 * 0.75 * file_chip.peak_tflops)
     assert fits["efficiency"] == {"max": 1.0, "half_tokens": 256.0, "half_width": 256.0}
+
+
+def test_a_shape_shared_with_the_last_stage_takes_its_layers_from_the_others_and_fits_the_head():
+    """Stage 0 (3 layers) and stage 1 (1 layer + head) on one chip type and shape: the layers
+    come from stage 0, the head's measured remainder becomes head_scale, and the model then
+    reproduces stage 0's forward and backward and stage 1's forward + backward."""
+    stages = (Stage("emu-fast", Mesh(1, 1), (0, 3)), Stage("emu-fast", Mesh(1, 1), (3, 4)))
+    plan = Plan(TINY, 32, 2, 1, stages, model_name="tiny")
+    fwd, bwd = (0.006, 0.007), (0.012, 0.009)  # the last stage: 1 layer (2 + 4 ms) + a heavy head
+    _, profile = calibrate(plan, events=synthetic_trace(plan, 3, fwd, bwd, OPT))
+    assert len(profile.chips["emu-fast"]) == 1  # one entry for the shared shape
+    costs = cm.stage_costs(plan, None, profile)
+    assert costs[0].forward_s == pytest.approx(fwd[0], rel=1e-9)
+    assert costs[0].backward_s == pytest.approx(bwd[0], rel=1e-9)
+    assert costs[1].forward_s + costs[1].backward_s == pytest.approx(fwd[1] + bwd[1], rel=1e-9)
+    assert profile.fits["emu-fast"]["head_scale"] > 1.0

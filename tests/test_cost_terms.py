@@ -275,3 +275,20 @@ def test_the_runtime_model_refuses_tied_embeddings_instead_of_training_them_unti
 
     with pytest.raises(ConfigError, match="model.tie_embeddings: the planner prices tied embeddings"):
         StageModel(TIED, 0, TIED.n_layers, 0)
+
+
+# ----------------------------------------------------------------------------- the head's loss
+
+
+def test_the_loss_over_the_vocabulary_is_memory_bound_and_head_scale_multiplies_the_head():
+    c = chip(hbm_gbps=10.0, dispatch_us=0.0)
+    n, V = 2 * S, 256
+    last, mid = terms(c, last=True), terms(c)
+    rate = 1e12 * cm.efficiency(n, 64)
+    logits = n * 2 * 64 * V / rate
+    loss = n * V * 12 / 10e9
+    assert last.fwd_end - mid.fwd_end == pytest.approx(logits + loss, rel=1e-12)
+    assert last.bwd_end - mid.bwd_end == pytest.approx(2 * logits + loss, rel=1e-12)
+    doubled = terms(dataclasses.replace(c, head_scale=2.0), last=True)
+    assert doubled.fwd_end == pytest.approx(2 * last.fwd_end, rel=1e-12)
+    assert doubled.bwd_weight_end == pytest.approx(2 * last.bwd_weight_end, rel=1e-12)

@@ -53,7 +53,10 @@ the node)):
 
 End stages: stage 0 holds the vocab-parallel embedding (one all-reduce forward), the last
 stage the final norm and the vocab-parallel head: logits forward 2*n*d*V/T FLOPs, backward
-twice that, one all-reduce backward.
+twice that, one all-reduce backward, and the softmax cross-entropy over the vocabulary,
+memory-bound: LOSS_BYTES_PER_LOGIT = 12 bytes per f32 logit forward and again backward,
+n*V/T*12 / hbm each. The head's time (not its all-reduce) is multiplied by the chip's
+`head_scale` (1 unless a calibrated profile fits it: h2jax.calibrate).
 
 Stage-to-stage transfer (the MPI transport's topology-aware resharding): one micro-batch's
 activation, b*s*d*bytes, crosses the link once; each receiving data-parallel group gets its
@@ -107,6 +110,8 @@ W_HALF = DEFAULT_CURVE.half_width  # per-device layer width (d_model / tensor) a
 ALPHA_S = 5e-6  # per-step latency of a ring collective
 LINK_LATENCY_S = 1e-5  # fixed latency of one stage-to-stage send
 MEMORY_BOUND_BACKWARD = 2.0  # backward HBM bytes of the element-wise work per forward byte
+LOSS_BYTES_PER_LOGIT = 12.0  # f32 logits written, read by the log-softmax, read by the loss (forward);
+#                              the backward reads them, writes the f32 gradient, the head reads it
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 28, "sgd": 12}
 GRAD_BYTES = 4  # gradients accumulate in f32
 
@@ -308,11 +313,12 @@ def stage_terms(
     fwd_end, bwd_end, bwd_weight_end = dispatch, dispatch, 0.0
     if first:  # vocab-parallel embedding: a gather and one all-reduce
         fwd_end += tp_ar
-    if last:  # final norm + vocab-parallel head + loss
+    if last:  # final norm + vocab-parallel head + loss, times the chip's calibrated head_scale
         logit_flops = tokens * 2.0 * d * V / tensor
-        fwd_end += logit_flops / rate
-        bwd_end += 2.0 * logit_flops / rate + tp_ar
-        bwd_weight_end += logit_flops / rate
+        loss_s = tokens * V / tensor * LOSS_BYTES_PER_LOGIT / hbm
+        fwd_end += chip.head_scale * (logit_flops / rate + loss_s)
+        bwd_end += chip.head_scale * (2.0 * logit_flops / rate + loss_s) + tp_ar
+        bwd_weight_end += chip.head_scale * logit_flops / rate
 
     end_params = mm.end_params(model, first, last)
     dp_gbps = collective_gbps(chip, data * tensor)

@@ -68,7 +68,8 @@ from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
 PROFILE_FORMAT_VERSION = 1
 _POLICIES = ("none", "selective", "full")
 # Chip-file figures a profile's `fits` may replace (positive numbers; efficiency a table).
-FIT_FIELDS = ("peak_tflops", "hbm_gbps", "dispatch_us", "intra_node_gbps", "inter_node_gbps", "efficiency")
+FIT_FIELDS = ("peak_tflops", "hbm_gbps", "dispatch_us", "intra_node_gbps", "inter_node_gbps", "efficiency",
+              "head_scale")
 
 
 class ProfileError(ConfigError):
