@@ -2,13 +2,20 @@
 on this machine: real `cpu` chips and EMULATED chips (backends/emu-*.toml), 1 to 4 stages,
 data- and tensor-parallel stages, 1 to 16 micro-batches.
 
-1. Calibrate: `h2jax profile` (h2jax.profiler.profile_chips) measures one layer of the model
-   on every (chip, tensor size, sequences per device) the plans use: the medians of
-   `--repeats` runs. Emulated chip types share one measurement (the host's CPU seconds per
-   device, h2jax.runtime.emulation), stretched by each one's slowdown.
-2. Predict: the planner's cost model on that profile (h2jax.planner.predict) for each plan.
-3. Measure: train each plan `--steps` steps in this process (h2jax.runtime.train.Trainer, what
-   h2jax.run drives); its step time is the median after the first (compile) step. For
+1. Profile: `h2jax profile` (h2jax.profiler.profile_chips) measures one layer of the model
+   on every (chip, tensor size, sequences per device) the plans use (stable medians) and fits
+   each chip type's dispatch, efficiency and memory-bound terms. Emulated chip types share
+   one measurement (the host's CPU seconds per device, h2jax.runtime.emulation), stretched
+   by each one's slowdown. `predicted_profiled_s`: the cost model on this profile alone.
+2. Calibrate: `h2jax calibrate` (h2jax.calibrate.calibrate) runs the plan `--calibrate-steps`
+   steps with a trace and writes a profile under which the model reproduces each stage's
+   measured forward, backward, optimizer and sends. `predicted_s`: the cost model
+   (h2jax.planner.predict) on that calibrated profile -- the headline ratio.
+3. Measure: train the plan again, a separate run of `--steps` steps in this process
+   (h2jax.runtime.train.Trainer, what h2jax.run drives); its step time is the median after
+   the first (compile) step: `measured_s`. So the calibration and the measurement are two
+   runs of the plan; `calibration_step_s` (the calibration run's own step time) shows how
+   much two runs of one plan differ on this machine. For
    emulated chips each stage's busy seconds per step and its host lag (seconds its chip sat
    ready until the host dispatched: where the host, not the emulated chip, set the pace) are
    reported too, so an emulated row that the host could not keep up with is told apart.
@@ -19,7 +26,7 @@ shared, and a real `cpu` chip's wall time grows with the load (an emulated chip'
 as long as the host keeps up with the emulated pipeline).
 
 Prints one JSON object: per plan predicted, measured, ratio predicted/measured, load.
-    python benchmarks/cost_model.py [--steps 6] [--repeats 9] [--only NAME,...]
+    python benchmarks/cost_model.py [--steps 5] [--calibrate-steps 4] [--repeats 9] [--only NAME,...]
 """
 
 from __future__ import annotations
@@ -85,31 +92,21 @@ def plan_cluster_of(plan):
     return cluster_from_dict({"name": "bench", "group": [{"chip": c, "count": n} for c, n in counts.items()]}, "bench")
 
 
-def shapes(plans) -> dict[str, tuple[set[int], set[int]]]:
-    """Per chip type: (tensor sizes, sequences per device) its stages run."""
-    out: dict[str, tuple[set[int], set[int]]] = {}
-    for plan in plans:
-        for s in plan.stages:
-            tensors, per_device = out.setdefault(s.chip, (set(), set()))
-            tensors.add(s.mesh.tensor)
-            per_device.add(plan.micro_batch // s.mesh.data)
-    return out
-
-
-def calibrate(plans, repeats: int, warmup: int):
-    """One profile for every chip type, on every shape the plans run."""
-    from h2jax.planner.profile import Profile
+def profile_all(plans, repeats: int, warmup: int):
+    """`h2jax profile` of every chip type the plans use, on every (tensor size, sequences per
+    device) they run: one-layer medians and each chip type's fits (h2jax.profiler)."""
     from h2jax.profiler import profile_chips
 
-    entries, sources, seconds = {}, [], 0.0
-    for chip, (tensors, per_device) in sorted(shapes(plans).items()):
-        t0 = time.perf_counter()
-        profile, _ = profile_chips([chip], MODEL, SEQ_LEN, sorted(tensors), sorted(per_device),
-                                   repeats=repeats, warmup=warmup)
-        seconds += time.perf_counter() - t0
-        entries.update(profile.chips)
-        sources.append(profile.source)
-    return Profile(profile.model, SEQ_LEN, entries, "; ".join(sources), profile.model_name), seconds
+    chips, tensors, per_device = set(), set(), set()
+    for plan in plans:
+        for s in plan.stages:
+            chips.add(s.chip)
+            tensors.add(s.mesh.tensor)
+            per_device.add(plan.micro_batch // s.mesh.data)
+    t0 = time.perf_counter()
+    profile, _ = profile_chips(sorted(chips), MODEL, SEQ_LEN, sorted(tensors), sorted(per_device),
+                               repeats=repeats, warmup=warmup)
+    return profile, time.perf_counter() - t0
 
 
 def measure(plan, steps: int) -> tuple[float, dict]:
@@ -143,7 +140,8 @@ def load() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6, help="steps per plan; the median after the first is measured")
+    ap.add_argument("--steps", type=int, default=5, help="steps per plan; the median after the first is measured")
+    ap.add_argument("--calibrate-steps", type=int, default=4, help="steps of each plan's calibration run")
     ap.add_argument("--repeats", type=int, default=9, help="timed runs per profiled shape (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
@@ -154,7 +152,8 @@ def main() -> None:
     jax.config.update("jax_compilation_cache_dir", str(CACHE))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-    from h2jax.planner import predict, stage_costs
+    from h2jax.calibrate import calibrate
+    from h2jax.planner import iteration_time, predict, stage_costs
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(PLANS)
     unknown = [n for n in names if n not in PLANS]
@@ -163,14 +162,21 @@ def main() -> None:
     plans = {n: make_plan(n) for n in names}
     t_start = time.perf_counter()
     load_before = load()
-    profile, profile_s = calibrate(plans.values(), args.repeats, args.warmup)
+    profile, profile_s = profile_all(plans.values(), args.repeats, args.warmup)
     rows = []
     for name, plan in plans.items():
         cluster = plan_cluster_of(plan)
-        predicted = predict(plan, cluster, profile)["step_time_s"]
+        profiled = predict(plan, cluster, profile)["step_time_s"]
+        t0 = time.perf_counter()
+        calibration, calibrated = calibrate(plan, args.calibrate_steps, cluster=cluster, profile=profile)
+        calibrate_s = time.perf_counter() - t0
+        # the cost model's closed form on the calibrated stage costs (what predict's step time is;
+        # predict would also re-check memory, which the plan passed above)
+        predicted = iteration_time(stage_costs(plan, cluster, calibrated), plan.n_micro, plan.schedule,
+                                   plan.virtual_stages)
         # what the cost model says each stage's chip is busy for in one step (compare stage_busy_s)
         predicted_busy = [round(plan.n_micro * (c.forward_s + c.backward_s) + c.optimizer_s + c.dp_reduce_s, 4)
-                          for c in stage_costs(plan, cluster, profile)]
+                          for c in stage_costs(plan, cluster, calibrated)]
         before = load()
         measured, row = measure(plan, args.steps)
         rows.append({
@@ -178,12 +184,18 @@ def main() -> None:
             "stages": [f"{s.chip} {s.mesh.data}x{s.mesh.tensor} layers {list(s.layers)}" for s in plan.stages],
             "micro_batches": plan.n_micro, "micro_batch": plan.micro_batch,
             "predicted_s": round(predicted, 5), "measured_s": round(measured, 5),
-            "ratio": round(predicted / measured, 3), "stage_busy_s_predicted": predicted_busy, **row,
+            "ratio": round(predicted / measured, 3),
+            "predicted_profiled_s": round(profiled, 5), "ratio_profiled": round(profiled / measured, 3),
+            "calibration_step_s": round(next(r.measured_s for r in calibration if r.term == "step"), 5),
+            "calibrate_seconds": round(calibrate_s, 1),
+            "stage_busy_s_predicted": predicted_busy, **row,
             "load_before": before, "load_after": load(),
         })
-        print(f"{name}: predicted {predicted:.4f} s, measured {measured:.4f} s, ratio {predicted / measured:.3f} "
+        print(f"{name}: predicted {predicted:.4f} s (profile only {profiled:.4f}), measured {measured:.4f} s, "
+              f"ratio {predicted / measured:.3f} (profile only {profiled / measured:.3f}) "
               f"(load {before} -> {rows[-1]['load_after']})", file=sys.stderr, flush=True)
     ratios = [r["ratio"] for r in rows]
+    profiled_ratios = [r["ratio_profiled"] for r in rows]
     print(json.dumps({
         "model": MODEL, "seq_len": SEQ_LEN, "host_cores": os.cpu_count(), "steps": args.steps,
         "profile": {"repeats": args.repeats, "warmup": args.warmup, "seconds": round(profile_s, 1),
@@ -191,6 +203,8 @@ def main() -> None:
         "plans": rows,
         "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_median": statistics.median(ratios),
         "within_10_percent": sum(0.9 <= r <= 1.1 for r in ratios), "n_plans": len(rows),
+        "profile_only": {"ratio_min": min(profiled_ratios), "ratio_max": max(profiled_ratios),
+                         "within_10_percent": sum(0.9 <= r <= 1.1 for r in profiled_ratios)},
         "load_before": load_before, "load_after": load(),
         "seconds": round(time.perf_counter() - t_start, 1),
     }, indent=1))
