@@ -54,9 +54,10 @@ def test_the_exhaustive_size_is_counted_without_enumerating():
     brute = 0
     for b in mbs:
         for combo in itertools.product(*[[None, *opts] for opts in ctx.type_options(b, prune_unfit=False)]):
-            p = sum(o.stages for o in combo if o is not None)
-            if 1 <= p <= ctx.model.n_layers:
-                brute += math.comb(ctx.model.n_layers - 1, p - 1)
+            picked = [o for o in combo if o is not None]
+            p = sum(o.stages for o in picked)
+            if 1 <= p <= ctx.model.n_layers:  # each in every pipeline order of its types
+                brute += math.factorial(len(picked)) * math.comb(ctx.model.n_layers - 1, p - 1)
     total, largest, nbytes = exhaustive_size(ctx, mbs)
     assert total == brute > 0
     assert largest == max(math.comb(ctx.model.n_layers - 1, p - 1) for p in range(1, ctx.model.n_layers + 1))

@@ -2,7 +2,7 @@
 memory so that "no plan fits" is a common answer, not a corner.
 
 - the fast search equals exhaustive enumeration, including on which clusters nothing fits;
-- every plan it returns is well formed: stage lists in pipeline order (more memory first),
+- every plan it returns is well formed: one block of stages per chip type (in any order),
   no chip type used beyond its count, layers covering the model, micro-batches dividing the
   global batch, memory per stage within the chip's;
 - metamorphic: more memory on every chip, or more chips of a type, is never slower (the old
@@ -79,9 +79,9 @@ def check_well_formed(cand, cluster, kwargs):
         assert cluster.chips[o.chip].chips_per_node % o.tensor == 0  # tensor parallel within a node
     for chip, n in used.items():
         assert n <= cluster.counts[chip], (chip, n, cluster.counts[chip])
-    # more memory first in the pipeline
-    mem = [cluster.chips[o.chip].usable_memory_gib for o in cand.options]
-    assert mem == sorted(mem, reverse=True)
+    # one block of consecutive stages per chip type, the types in any order
+    names = [o.chip for o in cand.options]
+    assert len(set(names)) == len(names)
     assert len(cand.layers) == sum(o.stages for o in cand.options)
     assert sum(cand.layers) == cfg.n_layers and min(cand.layers) >= 1
     assert kwargs["global_batch"] % cand.micro_batch == 0
@@ -123,7 +123,7 @@ def more_chips(cluster, index, extra):
 @settings(max_examples=80, **SETTINGS)
 @given(cluster=any_cluster, kwargs=search_args, factor=st.sampled_from([2.0, 10.0]))
 def test_more_memory_everywhere_is_never_slower(cluster, kwargs, factor):
-    """Scaling every chip type's memory keeps the pipeline order and every plan that fitted."""
+    """Scaling every chip type's memory keeps every plan that fitted."""
     before, _ = best(cluster, **kwargs)
     after, info = best(scaled_memory(cluster, factor), **kwargs)
     if before is None:

@@ -52,15 +52,6 @@ def test_the_search_can_leave_a_useless_chip_type_unused():
     assert math.isclose(best.time_s, ref.time_s, rel_tol=1e-9)
 
 
-def test_chips_with_more_memory_come_first():
-    big = ChipType("big", "cpu", 4.0, 1.0, 4, 50.0, 10.0, "t")
-    small = ChipType("small", "cpu", 1.0, 1.0, 4, 50.0, 10.0, "t")
-    cluster = Cluster((ChipGroup(small, 4), ChipGroup(big, 4)))
-    (best,), _ = top_k(cluster, "small", 32, 8)
-    chips = [o.chip for o in best.options]
-    assert chips == sorted(chips, key=["big", "small"].index)
-
-
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases, seq=st.sampled_from([32, 128]), batch=st.sampled_from([4, 6]))
 def test_fast_top_k_matches_the_exhaustive_top_k(case, seq, batch):

@@ -12,10 +12,11 @@ whose steady components and tail fall in a box costs at least
 Boxes are taken best bound first (a heap over all micro-batch sizes). A box whose bound cannot
 beat the incumbent (the K-th best, for top-K) is dropped; a box ends where the incumbent
 would be beaten by its width alone (lo_d + gap / w_d); a wide one is halved along its
-costliest side (so its bound rises); a narrow one is *resolved*: a depth-first enumeration of
-the stage lists whose Lagrangian bound in the box can still win, chip types from the end of
-the pipeline, each partial list bounded by its cost so far plus the best front completion
-(`front_dp`); each list that survives is solved exactly by `best_split` (the real objective,
+costliest side (so its bound rises); a narrow one (or any box of a micro-batch size with at
+most RESOLVE_LISTS stage lists) is *resolved*: a depth-first enumeration of the stage lists
+whose Lagrangian bound in the box can still win, blocks from the end of the pipeline, any
+chip type not used yet next, each partial list bounded by its cost so far plus the best
+front completion by the types left (`front_dp`); each list that survives is solved exactly by `best_split` (the real objective,
 not the thresholds). A plan in the box that beats the incumbent has a list whose bound in
 the box is below it, so that list is solved: when the heap is empty, the incumbent is the
 optimum of the space. Incumbents come from shallow dives of the same enumeration at the
@@ -42,6 +43,7 @@ from h2jax.planner.split import (
 RESOLVE_FRACTION = 1.0  # resolve a box once its width costs at most this share of its gap,
 RESOLVE_GAP = 0.02  # ... and its bound is within this share of the incumbent,
 RESOLVE_WIDTH = 0.01  # ... or once it is this narrow (a share of the incumbent)
+RESOLVE_LISTS = 256  # a micro-batch size with at most this many stage lists: resolved at its root box
 GENERATION = 8  # boxes split per batched bound evaluation
 DIVE_FACTORS = (1.0, 1.05, 1.15, 1.4)
 DIVE_BATCHES = 2
@@ -66,6 +68,11 @@ class _Batch:
     steady_max: np.ndarray  # (K,) per steady component: every shape holds all L layers under it
     steady_weight: float = math.nan  # each steady component's weight (m - 1 under 1F1B)
     rows: int = 0  # bound rows evaluated, for SearchStats
+
+    @property
+    def lists(self) -> int:
+        """Stage lists of its space (every order of the chip types)."""
+        return ordered_lists([int(t.k_max.sum()) for t in self.tables])
 
     @property
     def K(self) -> int:
@@ -179,8 +186,9 @@ def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool) -> _Batch
     hi = float(steady_max.max())
     lo = min(v_balance, hi)
     floor = lo if K == 1 else 0.0
-    if not bracket:
-        return _Batch(b, m, tables, floor, math.nan, grid, t_max, steady_max, weight)
+    batch = _Batch(b, m, tables, floor, math.nan, grid, t_max, steady_max, weight)
+    if not bracket or batch.lists <= RESOLVE_LISTS:  # (a small space is resolved at once: no dives)
+        return batch
     if not fits(np.array([hi]))[0]:
         return None
     for _ in range(3):
@@ -192,8 +200,19 @@ def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool) -> _Batch
     return _Batch(b, m, tables, lo if K == 1 else 0.0, hi, grid, t_max, steady_max, weight)
 
 
+def ordered_lists(blocks: Sequence[int]) -> int:
+    """Stage lists made of at most one block per chip type, in any order, given each type's
+    number of blocks: sum over sets S of types of |S|! * prod of their counts."""
+    poly = [1]  # poly[j]: ways to choose j types and a block of each
+    for n in blocks:
+        poly = [a + (poly[j - 1] * n if j else 0) for j, a in enumerate(poly + [0])]
+    return sum(math.factorial(j) * c for j, c in enumerate(poly)) - 1
+
+
 class _Enumerator:
-    """Depth-first over stage lists in one box, chip types from the end of the pipeline."""
+    """Depth-first over stage lists in one box, blocks from the end of the pipeline, each chip
+    type in at most one block, in any order (the front completion bound `front_dp` is per set
+    of types left)."""
 
     def __init__(self, ctx: Context, batch: _Batch, top: TopK, stats: SearchStats, solved: set, deadline: float):
         self.ctx, self.batch, self.top, self.stats, self.solved = ctx, batch, top, stats, solved
@@ -210,13 +229,15 @@ class _Enumerator:
         self.G = pos.front_dp(self.tables, self.ws, L)
         self.base = float(self.batch.weight @ lo) + lam * L
         self.leaves_left = max_leaves
-        self._visit(len(self.tables) - 1, 0, 0.0, ())
+        self._visit((1 << len(self.tables)) - 1, 0, 0.0, ())
 
-    def _children(self, t: int, q: int, C: float) -> list[tuple[float, int, int, int, bool, float]]:
+    def _children(self, left: int, q: int, C: float) -> list[tuple[float, int, int, int, bool, float]]:
+        """The blocks that can come next (in front of the q stages placed), of a type of the
+        set `left` (a bit mask), each with its bound, best first."""
         L, bound = self.L, self.top.bound
         out = []
-        for t2 in range(t, -1, -1):
-            table, w, G = self.tables[t2], self.ws[t2], self.G[t2]
+        for t2 in pos._bits(left):
+            table, w, G = self.tables[t2], self.ws[t2], self.G[left & ~(1 << t2)]
             if not table.size or q >= L:
                 continue
             K = int(min(table.k_max.max(), L - q))
@@ -240,8 +261,8 @@ class _Enumerator:
         out.sort()
         return out
 
-    def _visit(self, t: int, q: int, C: float, blocks: tuple) -> None:
-        for bound, t2, s, k, is_front, cost in self._children(t, q, C):
+    def _visit(self, left: int, q: int, C: float, blocks: tuple) -> None:
+        for bound, t2, s, k, is_front, cost in self._children(left, q, C):
             if bound >= self.top.bound or self.leaves_left == 0:
                 return
             if time.perf_counter() > self.deadline:
@@ -249,8 +270,8 @@ class _Enumerator:
             here = ((t2, s, k),) + blocks
             if is_front:
                 self._leaf(here)
-            elif t2 > 0:
-                self._visit(t2 - 1, q + k, C + cost, here)
+            elif left & ~(1 << t2):
+                self._visit(left & ~(1 << t2), q + k, C + cost, here)
 
     def _leaf(self, blocks: tuple) -> None:
         key = (self.batch.b, tuple((self.tables[t].options[s], k) for t, s, k in blocks))
@@ -313,14 +334,14 @@ def search(
                 raise OutOfTime
             batches[b] = _make_batch(ctx, b, v_balance, bracket)
             if batches[b] is not None:
-                stats.space_size += math.prod(int(t.k_max.sum()) + 1 for t in batches[b].tables) - 1
+                stats.space_size += batches[b].lists
         return batches[b]
 
     # incumbents: shallow dives at the smallest feasible bottleneck of the most promising
     # micro-batch sizes and a few multiples of it
     for _, v_bal, b in pending[:DIVE_BATCHES]:
         batch = build(b, v_bal, bracket=True)
-        if batch is None:
+        if batch is None or batch.lists <= RESOLVE_LISTS:  # a small space: its root is resolved
             continue
         enum = _Enumerator(ctx, batch, top, stats, solved, deadline)
         (_, lam), = _bounds(batch, L, [batch.corner(batch.v_fits * DIVE_FACTORS[1], math.inf)], [None])
@@ -373,7 +394,7 @@ def search(
                 widths = batch.weight * (hi - lo)
                 if (widths.sum() <= RESOLVE_FRACTION * gap and gap <= RESOLVE_GAP * top.bound) or (
                     widths.sum() <= RESOLVE_WIDTH * top.bound
-                ):
+                ) or batch.lists <= RESOLVE_LISTS:
                     _Enumerator(ctx, batch, top, stats, solved, deadline).run(lo, hi, box.lam)
                     open_lbs.pop()
                     continue

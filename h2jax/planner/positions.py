@@ -20,15 +20,18 @@ sum l_i = L; pricing it at lambda per layer (Lagrangian relaxation),
     w_i(lambda) = c_i + min over 1 <= l <= u_i of (a_i - lambda) * l,
 
 with c_i the stage's end-stage time and its own share of its send (each send costs at least
-the sender's bytes over the sender's links). Any lambda gives a valid bound. The stage lists
-are the search space's (chip types in pipeline order, each nothing or k <= K_s consecutive
-stages of one shape s) and the min over them is a DP over types from the end of the
-pipeline, its state the number q of stages behind:
+the sender's bytes over its fastest links: `send_rates`). Any lambda gives a valid bound. The
+stage lists are the search space's (each chip type nothing or one block of k <= K_s
+consecutive stages of one shape s, the blocks in any order) and the min over them is a DP
+from the end of the pipeline, its state the set S of types behind (a bit mask) and the
+number q of stages they fill:
 
-    F_t(q') = min(F_{t+1}(q'), min over s, k of F_{t+1}(q' - k) + W_s(q') - W_s(q' - k))
+    F(S + t, q') = min over s, k of F(S, q' - k) + W_s(q') - W_s(q' - k)     (t not in S)
 
 with W_s the prefix sums of w over positions: a sliding-window minimum over q, vectorised
-over shapes and lambdas. The first and last stages (embedding, head) take their own terms.
+over shapes, lambdas and the sets of one size. The first and last stages (embedding, head)
+take their own terms. Over every order the DP has 2^T sets and T * 2^(T-1) transitions
+(T types: 32 for 4) where one fixed order had T.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ class TypeTable:
     options: list  # search.Option per shape, `stages` = its most stages K_s
     a: np.ndarray  # (S,) a layer's share of the fill (the schedule's fill coefficients, least over roles)
     tail_layer: np.ndarray  # (S,) dp-reduce + optimizer seconds per layer
-    own_send: np.ndarray  # (S,) seconds of the sender's own term of each send it makes
+    own_send: np.ndarray  # (S,) seconds: every send it makes takes at least this (its own end)
     send_bytes: np.ndarray  # (S,) bytes of one micro-batch's activation it sends
-    link_s_per_byte: np.ndarray  # (S,) seconds per byte over its stage's links (1/(D*T*bw))
+    link_s_per_byte: np.ndarray  # (S,) the most seconds per byte of its end of any send (send_rates)
     k_max: np.ndarray  # (S,) most stages (chips // stage size, at most L)
     end_time: np.ndarray  # (4, S) per role: end-stage seconds of the fill
     end_tail: np.ndarray  # (4, S) per role: tail seconds that do not scale with layers
@@ -107,14 +110,25 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
                     tl[i] = t.tail_layer
                     steady_a[:, i] = [np.dot(k, layer) for k in form.steady]
             nbytes = b * ctx.seq_len * ctx.model.d_model * cm.dtype_bytes(chip.precision.compute_dtype)
-            nb[i], rho[i] = nbytes, 1.0 / (o.data * o.tensor * chip.inter_node_gbps * 1e9)
-            own[i] = nbytes * rho[i]
+            fast, slow = send_rates(cm.calibrated(chip, ctx.profile), o.data * o.tensor)
+            nb[i], rho[i], own[i] = nbytes, slow, nbytes * fast
             kmax[i] = min(o.stages, L)
         out.append(TypeTable(
             list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
             steady_a, steady_end,
         ))
     return out
+
+
+def send_rates(chip, chips: int) -> tuple[float, float]:
+    """(least, most) seconds per byte of a stage's own end of a send (cost_model.send_terms:
+    bytes / (chips * GB/s), at intra-node bandwidth when the neighbour shares the node, else
+    the stage's share of its node's NICs): whatever the neighbour, a send takes at least the
+    least (the Lagrangian's send term) and no end takes more than the most (the root box)."""
+    rates = [chip.inter_node_share_gbps(chips)]
+    if cm.same_node(chip, chips, chip, 1):  # a one-chip stage of the same type could share the node
+        rates.append(chip.intra_node_gbps)
+    return 1.0 / (chips * max(rates) * 1e9), 1.0 / (chips * min(rates) * 1e9)
 
 
 def stage_caps(table: TypeTable, V: np.ndarray, tau: np.ndarray) -> np.ndarray:
@@ -242,50 +256,89 @@ def weights(
     return Weights(Wm, first, at_one(LAST), at_one(ONLY), mid_ok[rows])
 
 
+def _bits(mask: int) -> list[int]:
+    return [t for t in range(mask.bit_length()) if mask >> t & 1]
+
+
 def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) -> np.ndarray:
-    """min over stage lists of sum_i w_i, per row (inf: none feasible): types from the end,
-    F[q] the least cost of the blocks behind that fill the last q stages."""
-    F = np.full((R, L + 1), np.inf)
+    """min over stage lists of sum_i w_i, per row (inf: none feasible): blocks from the end of
+    the pipeline, each chip type in at most one block and the types in any order. F[S][q] is
+    the least cost of blocks of exactly the types of S (a bit mask over `tables`) filling the
+    last q stages; a block of type t extends F[S] (t not in S) to F[S | t]. Per level |S|
+    and type t, the masks of that level are one batched window minimum."""
+    live = [t for t, table in enumerate(tables) if table.size]
     ans = np.full(R, np.inf)
-    for table, w in zip(reversed(tables), reversed(ws)):
-        if not table.size:
-            continue
-        H = np.empty((R, table.size, L))  # H[q] for q = 0..L-1 (q = 0: this is the last block)
-        H[..., 0] = w.last1 - w.Wm[..., 1]
-        H[..., 1:] = F[:, None, 1:L] - w.Wm[..., 1:L]
-        M = _window_min(H, table.k_max)  # (R, S, L): q' = 1..L, k <= k_max stages
-        block = np.where(w.mid_ok[..., 1:], w.Wm[..., 1:] + M, np.inf)
-        front = np.where(w.mid_ok[..., 1:L], w.Wm[..., 1:L] + w.first[..., 2:] + M[..., 1:], np.inf)
-        ans = np.minimum(ans, np.minimum(front.min(axis=(1, 2), initial=np.inf), w.only1.min(axis=1)))
-        F = F.copy()
-        F[:, 1:] = np.minimum(F[:, 1:], block.min(axis=1))
+    F: dict[int, np.ndarray | None] = {0: None}  # the empty back part: the block is the last
+    for level in range(len(live)):
+        nxt: dict[int, np.ndarray] = {}
+        for t in live:
+            masks = [S for S in F if not S >> t & 1]
+            if not masks:
+                continue
+            table, w = tables[t], ws[t]
+            H = np.full((len(masks), R, table.size, L), np.inf)  # H[q], q = 0..L-1 stages behind
+            if level == 0:
+                H[0, ..., 0] = w.last1 - w.Wm[..., 1]
+            else:
+                H[..., 1:] = np.stack([F[S] for S in masks])[:, :, None, 1:L] - w.Wm[None, ..., 1:L]
+            M = _window_min(H, table.k_max)  # (n, R, S, L): q' = 1..L, k <= k_max stages
+            front = np.where(w.mid_ok[..., 1:L], w.Wm[..., 1:L] + w.first[..., 2:] + M[..., 1:], np.inf)
+            ans = np.minimum(ans, front.min(axis=(0, 2, 3), initial=np.inf))
+            if level == 0:
+                ans = np.minimum(ans, w.only1.min(axis=1))
+            if level == len(live) - 1:
+                continue  # every type is behind: nothing more in front
+            block = np.where(w.mid_ok[..., 1:], w.Wm[..., 1:] + M, np.inf).min(axis=2)  # (n, R, L)
+            for S, blk in zip(masks, block):
+                if not np.isfinite(blk).any():
+                    continue
+                key = S | 1 << t
+                if key in nxt:
+                    np.minimum(nxt[key][:, 1:], blk, out=nxt[key][:, 1:])
+                else:
+                    row = np.full((R, L + 1), np.inf)
+                    row[:, 1:] = blk
+                    nxt[key] = row
+        F = nxt
+        if not F:
+            break
     return ans
 
 
+def _front_step(table: TypeTable, w: Weights, g: np.ndarray, L: int) -> np.ndarray:
+    """(L+2,) the least cost, for q = 1..L, of a front part whose block nearest the end is of
+    this type at positions q+1, ... and whose types in front of that block cost g."""
+    Wm, first, mid_ok = w.Wm[0], w.first[0], w.mid_ok[0]  # (S, L+1)
+    # X[j]: blocks ending at position j with more types in front; Y[j]: the block is the front
+    X = np.where(mid_ok, Wm + g[None, : L + 1], np.inf)
+    Y = np.full_like(X, np.inf)
+    Y[:, 1:] = np.where(mid_ok[:, :L], Wm[:, :L] + first[:, 1:], np.inf)
+    Z = np.minimum(X, Y)
+    # the block ends at a position in q+1 .. q+k_max: a window ending at index L-q-1 of Z
+    # reversed (positions L .. 0)
+    ahead = _window_min(Z[:, ::-1], table.k_max)  # (S, L+1)
+    best = np.full((table.size, L), np.inf)  # q = 1..L (none fits in front of q = L)
+    if L > 1:
+        best[:, : L - 1] = ahead[:, L - 2:: -1]
+    out = np.full(L + 2, np.inf)
+    out[1: L + 1] = (best - Wm[:, 1:]).min(axis=0)
+    return out
+
+
 def front_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int) -> list[np.ndarray]:
-    """G[t][q] (row 0): the least cost of a nonempty front part made of types < t whose
-    stages sit at positions q+1, q+2, ... (q >= 1 stages behind it), its first stage in front."""
+    """G[A][q] (row 0), A a bit mask over `tables`: the least cost of a nonempty front part
+    made of distinct types of A, in any order, whose stages sit at positions q+1, q+2, ...
+    (q >= 1 stages behind it), its first stage in front. Masks ascending: A minus one type
+    comes before A."""
     G = [np.full(L + 2, np.inf)]
-    for table, w in zip(tables, ws):
-        g = G[-1]
-        if not table.size:
-            G.append(g)
-            continue
-        Wm, first, mid_ok = w.Wm[0], w.first[0], w.mid_ok[0]  # (S, L+1)
-        # X[j]: blocks ending at position j with more types in front; Y[j]: the block is the front
-        X = np.where(mid_ok, Wm + g[None, : L + 1], np.inf)
-        Y = np.full_like(X, np.inf)
-        Y[:, 1:] = np.where(mid_ok[:, :L], Wm[:, :L] + first[:, 1:], np.inf)
-        Z = np.minimum(X, Y)
-        # the block ends at a position in q+1 .. q+k_max: a window ending at index L-q-1 of Z
-        # reversed (positions L .. 0)
-        ahead = _window_min(Z[:, ::-1], table.k_max)  # (S, L+1)
-        best = np.full((table.size, L), np.inf)  # q = 1..L (none fits in front of q = L)
-        if L > 1:
-            best[:, : L - 1] = ahead[:, L - 2:: -1]
-        new = g.copy()
-        new[1: L + 1] = np.minimum(g[1: L + 1], (best - Wm[:, 1:]).min(axis=0))
-        G.append(new)
+    for A in range(1, 1 << len(tables)):
+        best = np.full(L + 2, np.inf)
+        for t in _bits(A):
+            g = G[A & ~(1 << t)]
+            best = np.minimum(best, g)  # t not used
+            if tables[t].size:
+                best = np.minimum(best, _front_step(tables[t], ws[t], g, L))
+        G.append(best)
     return G
 
 

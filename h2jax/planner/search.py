@@ -8,13 +8,14 @@ micro-batch sizes by (the per-shape envelope and staircase), the exhaustive refe
 
 The space (the same for the search and `exhaustive=True`):
 
-- chip types in pipeline order by memory, largest first (they hold the most in-flight
-  micro-batches under 1F1B), ties by peak FLOP/s then name;
 - a micro-batch size b among the divisors of the global batch;
 - per chip type t, either nothing or an *option* (k, D, T, r): k >= 1 consecutive stages, each
   on a (data=D, tensor=T) mesh with recompute policy r, with D | b, T a divisor of
   chips_per_node that the model's heads and d_ff allow, and k*D*T <= the type's chip count
   (chips may stay unused);
+- the pipeline order of the chosen types: any order (the first stage holds the embedding,
+  the last the head and the loss; further from the end, 1F1B keeps more micro-batches in
+  flight), so a set of j types runs in j! orders;
 - a layer split: l_i >= 1 layers per stage, sum l_i = n_layers, every stage within memory.
 
 The exact layer split of one stage list (`best_split`): the objective is
@@ -90,21 +91,28 @@ MAX_EXHAUSTIVE_ARRAY = 20_000_000  # splits of one stage list (one int64 row of 
 def exhaustive_size(ctx: Context, micro_batches: Sequence[int]) -> tuple[int, int, int]:
     """(layer splits the exhaustive search evaluates, most splits of one stage list, the bytes
     of that stage list's split array), counted
-    without enumerating: stage lists by their stage count (a product of per-type polynomials),
-    times the C(L - 1, p - 1) splits of L layers over p stages."""
+    without enumerating: stage lists by their number of types j and stages p (a product of
+    per-type polynomials), times the j! pipeline orders of the types and the C(L - 1, p - 1)
+    splits of L layers over p stages."""
     L, total, largest, nbytes = ctx.model.n_layers, 0, 0, 0
     for b in micro_batches:
-        lists = [1]  # lists[p]: stage lists with p stages
+        lists = np.zeros((1, 1), dtype=object)  # lists[j, p]: sets of j types' options with p stages
+        lists[0, 0] = 1
         for opts in ctx.type_options(b, prune_unfit=False):
-            per = [1] + [0] * max((o.stages for o in opts), default=0)
+            per = np.zeros(max((o.stages for o in opts), default=0) + 1, dtype=object)
             for o in opts:
                 per[o.stages] += 1
-            lists = [sum(lists[i] * per[p - i] for i in range(max(0, p - len(per) + 1), min(p, len(lists) - 1) + 1))
-                     for p in range(len(lists) + len(per) - 1)]
-        for p in range(1, min(L, len(lists) - 1) + 1):
-            if lists[p]:
+            grown = np.zeros((lists.shape[0] + 1, lists.shape[1] + len(per) - 1), dtype=object)
+            grown[:-1, : lists.shape[1]] += lists  # the type not used
+            for k in range(1, len(per)):
+                grown[1:, k: k + lists.shape[1]] += lists * per[k]
+            lists = grown
+        for p in range(1, min(L, lists.shape[1] - 1) + 1):
+            # each set of j types runs in j! pipeline orders
+            count = sum(math.factorial(j) * int(lists[j, p]) for j in range(lists.shape[0]))
+            if count:
                 splits = math.comb(L - 1, p - 1)
-                total += lists[p] * splits
+                total += count * splits
                 largest, nbytes = max(largest, splits), max(nbytes, splits * p * 8)
     return total, largest, nbytes
 
@@ -132,31 +140,40 @@ def _search_exhaustive(ctx: Context, micro_batches: Sequence[int], k: int, stats
         m = ctx.global_batch // b
         per_type = ctx.type_options(b, prune_unfit=False)
         for combo in itertools.product(*[[None, *opts] for opts in per_type]):
-            chosen = [o for o in combo if o is not None]
-            p = sum(o.stages for o in chosen)
-            if not chosen or p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
+            picked = [o for o in combo if o is not None]
+            p = sum(o.stages for o in picked)
+            if not picked or p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
                 continue
-            stats.space_size += 1
-            stats.configs_visited += 1
-            shapes = [o for o in chosen for _ in range(o.stages)]
-            terms = [ctx.terms(b, o, i == 0, i == p - 1, *ctx.holds(i, p, m)) for i, o in enumerate(shapes)]
-            splits = _compositions(L, p)
-            splits = splits[np.logical_and.reduce([t.mem.fits(splits[:, i]) for i, t in enumerate(terms)])]
-            if not len(splits):
-                continue
-            stats.plans_evaluated += len(splits)
-            max_send, links = stage_list_sends(ctx, b, shapes)
-            fwd = splits * np.array([t.fwd_layer for t in terms]) + np.array([t.fwd_end for t in terms])
-            bwd = splits * np.array([t.bwd_layer for t in terms]) + np.array([t.bwd_end for t in terms])
-            wgt = splits * np.array([t.bwd_weight_layer for t in terms]) + np.array([t.bwd_weight_end for t in terms])
-            tail = splits * np.array([t.tail_layer for t in terms]) + np.array([t.tail_end for t in terms])
-            # the schedule's closed form itself (what cost_model.iteration_time evaluates)
-            times = ctx.sched.closed_form.pipeline_time(fwd, bwd, wgt, links, max_send, m, ctx.v) + tail.max(axis=1)
-            for j in np.argsort(times, kind="stable")[:k]:
-                if times[j] < top.bound:
-                    top.push(Candidate(float(times[j]), b, tuple(chosen), tuple(int(x) for x in splits[j]),
-                                       ctx.schedule, ctx.v))
+            for chosen in itertools.permutations(picked):  # every pipeline order of the types
+                _exhaustive_list(ctx, b, m, list(chosen), k, top, stats)
     return top.sorted()
+
+
+def _exhaustive_list(
+    ctx: Context, b: int, m: int, chosen: list[Option], k: int, top: TopK, stats: SearchStats
+) -> None:
+    """Every layer split of one stage list, vectorised; the k best offered to `top`."""
+    L, p = ctx.model.n_layers, sum(o.stages for o in chosen)
+    stats.space_size += 1
+    stats.configs_visited += 1
+    shapes = [o for o in chosen for _ in range(o.stages)]
+    terms = [ctx.terms(b, o, i == 0, i == p - 1, *ctx.holds(i, p, m)) for i, o in enumerate(shapes)]
+    splits = _compositions(L, p)
+    splits = splits[np.logical_and.reduce([t.mem.fits(splits[:, i]) for i, t in enumerate(terms)])]
+    if not len(splits):
+        return
+    stats.plans_evaluated += len(splits)
+    max_send, links = stage_list_sends(ctx, b, shapes)
+    fwd = splits * np.array([t.fwd_layer for t in terms]) + np.array([t.fwd_end for t in terms])
+    bwd = splits * np.array([t.bwd_layer for t in terms]) + np.array([t.bwd_end for t in terms])
+    wgt = splits * np.array([t.bwd_weight_layer for t in terms]) + np.array([t.bwd_weight_end for t in terms])
+    tail = splits * np.array([t.tail_layer for t in terms]) + np.array([t.tail_end for t in terms])
+    # the schedule's closed form itself (what cost_model.iteration_time evaluates)
+    times = ctx.sched.closed_form.pipeline_time(fwd, bwd, wgt, links, max_send, m, ctx.v) + tail.max(axis=1)
+    for j in np.argsort(times, kind="stable")[:k]:
+        if times[j] < top.bound:
+            top.push(Candidate(float(times[j]), b, tuple(chosen), tuple(int(x) for x in splits[j]),
+                               ctx.schedule, ctx.v))
 
 
 

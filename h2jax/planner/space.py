@@ -9,6 +9,8 @@ import dataclasses
 import math
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from h2jax.cluster import ChipType, Cluster
 from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
 from h2jax.plan import RECOMPUTE_POLICIES, Mesh, Optimizer, Plan, Stage
@@ -108,7 +110,9 @@ class SearchStats:
 
 
 def pipeline_order(cluster: Cluster) -> list[ChipType]:
-    """Chip types, largest memory first (ties: faster first, then by name)."""
+    """Chip types in the order the search lists them (largest memory first; ties: faster
+    first, then by name): the order of its per-type tables, not the pipeline's, which is
+    searched."""
     return sorted(cluster.chips.values(), key=lambda c: (-c.usable_memory_gib, -c.peak_tflops, c.name))
 
 
@@ -154,6 +158,7 @@ class Context:
     _terms: dict = dataclasses.field(default_factory=dict)
     _sends: dict = dataclasses.field(default_factory=dict)
     _options: dict = dataclasses.field(default_factory=dict)
+    _caps: dict = dataclasses.field(default_factory=dict)
 
     @property
     def sched(self) -> Schedule:
@@ -180,6 +185,21 @@ class Context:
             )
             self._terms[key] = t
         return t
+
+    def position_caps(self, options: Sequence[Option], m: int) -> np.ndarray:
+        """Per stage of a stage list, the most layers its shape holds as a middle stage with
+        its position's in-flight micro-batches (the fit test's; a bound: an end stage or one
+        with deferred weight gradients holds no more). Cached per block and position."""
+        p, i, out = sum(o.stages for o in options), 0, []
+        for o in options:
+            key = (id(o.mem), p, m, i, o.stages)  # o.mem: one of the cached terms' (alive)
+            caps = self._caps.get(key)
+            if caps is None:
+                held = np.array([self.holds(j, p, m)[0] for j in range(i, i + o.stages)], dtype=float)
+                caps = self._caps[key] = np.atleast_1d(o.max_layers(held))
+            out.append(caps)
+            i += o.stages
+        return np.concatenate(out)
 
     def send(self, b: int, s: Option, r: Option) -> float:
         key = (b, s.chip, s.data, s.tensor, r.chip, r.data, r.tensor)

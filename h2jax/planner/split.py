@@ -310,7 +310,7 @@ def _leaf_bound(
     p = len(shapes)
     c = np.array([o.layer_s for o in shapes])
     cf = np.array([o.fill for o in shapes])
-    caps = np.minimum([o.max_layers(ctx.holds(i, p, m)[0]) for i, o in enumerate(shapes)], L - p + 1)
+    caps = np.minimum(ctx.position_caps(chosen, m), L - p + 1)
     if caps.min() < 1 or caps.sum() < L:
         return math.inf
     e = np.zeros(p)
