@@ -27,9 +27,8 @@ Python API (the `h2jax calibrate` command is a thin wrapper)::
   same key are averaged. Per chip type, fits: `peak_tflops` scaled by predicted / measured
   compute (forward + backward less dispatches, median over the type's stages: the end
   terms, embedding and logits, follow), `hbm_gbps` from the measured optimizer step (its
-  bytes / (measured - dispatch)), and the link bandwidth a send used (intra- or
-  inter-node, `cost_model.same_node`) scaled by predicted / measured send time. The
-  entries are computed last, under those fits. A shape the last stage shares with other
+  bytes / (measured - dispatch)). The entries are computed last, under those fits. The
+  send is reported, not fitted: the search prices sends from the chip files' bandwidths. A shape the last stage shares with other
   stages takes its per-layer times from them (layers summed); the last stage's remainder,
   over the modelled head and loss, is its chip's `head_scale` fit (>= 0.05): then that
   stage's forward + backward is reproduced, not each alone. Give the
@@ -222,19 +221,6 @@ def calibrated_profile(
         fits.setdefault(name, {})["peak_tflops"] = cm.calibrated(chips[name], only).peak_tflops / statistics.median(values)
     for name, values in hbm.items():
         fits.setdefault(name, {})["hbm_gbps"] = statistics.median(values)
-    # 2. Link bandwidths from the measured sends.
-    links: dict[tuple[str, str], list[float]] = {}
-    p = plan.n_stages
-    for i, (st, c, s) in enumerate(stages):
-        if c.send_bytes and s.send_s is not None and s.send_s > c.link_latency_s:
-            nxt = plan.stages[(i + 1) % p]
-            ratio = c.send_s / (s.send_s - c.link_latency_s)
-            local = cm.same_node(chips[st.chip], st.mesh.size, chips[nxt.chip], nxt.mesh.size)
-            field = "intra_node_gbps" if local else "inter_node_gbps"
-            for name in {st.chip, nxt.chip}:
-                links.setdefault((name, field), []).append(getattr(cm.calibrated(chips[name], only), field) * ratio)
-    for (name, field), values in links.items():
-        fits.setdefault(name, {})[field] = statistics.median(values)
     # 3. Per-layer entries: the measured stages less their (re-fitted) end terms, per layer.
     #    A shape shared by the last stage and others takes its layers from the others; the
     #    last stage's remainder then calibrates its chip's head (head_scale).

@@ -351,12 +351,12 @@ def per_layer_of_entry(seconds: float, dispatch: float) -> float:
 def send_terms(
     model: ModelConfig, seq_len: int, micro_batch: int,
     sender: ChipType, s_data: int, s_tensor: int,
-    receiver: ChipType, r_data: int, r_tensor: int, profile: Profile | None = None,
+    receiver: ChipType, r_data: int, r_tensor: int,
 ) -> tuple[float, int]:
     """(seconds, bytes) of one micro-batch's activation from one stage to the next: over the
     intra-node links when the two stages share a node (`same_node`), else each end's share
-    of its node's NICs."""
-    sender, receiver = calibrated(sender, profile), calibrated(receiver, profile)
+    of its node's NICs. From the chip files' bandwidths: the search prices sends without the
+    profile, so predict must too (a profile's bandwidth fits would make them disagree)."""
     nbytes = micro_batch * seq_len * model.d_model * dtype_bytes(sender.precision.compute_dtype)
     s_chips, r_chips = s_data * s_tensor, r_data * r_tensor
     if same_node(sender, s_chips, receiver, r_chips):
@@ -437,7 +437,7 @@ def stage_costs(
             nxt = plan.stages[(i + 1) % p]
             send_s, send_bytes = send_terms(
                 plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
-                chips[nxt.chip], nxt.mesh.data, nxt.mesh.tensor, profile,
+                chips[nxt.chip], nxt.mesh.data, nxt.mesh.tensor,
             )
             latency = LINK_LATENCY_S
         else:

@@ -24,7 +24,7 @@ File format (JSON, `format_version` 1)::
       "fits": {                        # optional: figures fitted per chip type
         "nvidia-h100": {"peak_tflops": 900.0, "hbm_gbps": 2900.0, "dispatch_us": 40.0,
                         "efficiency": {"max": 0.7, "half_tokens": 300.0, "half_width": 200.0},
-                        "intra_node_gbps": 400.0, "inter_node_gbps": 45.0}
+                        "head_scale": 1.3}
       }
     }
 
@@ -32,7 +32,8 @@ File format (JSON, `format_version` 1)::
 the cost model reads them (`Profile.apply_fits`): `h2jax profile` fits the matmul
 efficiency curve against size, the per-micro-batch dispatch overhead and the memory-bound
 throughput; `h2jax calibrate` fits an effective peak, the memory-bound throughput and the
-stage-to-stage bandwidths from a run (h2jax.calibrate).
+last stage's head (`head_scale`) from a run (h2jax.calibrate). Link bandwidths are not
+fitted: the search prices stage-to-stage sends from the chip files.
 
 One entry is one transformer layer of the model on one device of a `(data, tensor)` mesh,
 timed as a one-layer stage (so one stage dispatch is inside it; the cost model subtracts the
@@ -68,8 +69,7 @@ from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
 PROFILE_FORMAT_VERSION = 1
 _POLICIES = ("none", "selective", "full")
 # Chip-file figures a profile's `fits` may replace (positive numbers; efficiency a table).
-FIT_FIELDS = ("peak_tflops", "hbm_gbps", "dispatch_us", "intra_node_gbps", "inter_node_gbps", "efficiency",
-              "head_scale")
+FIT_FIELDS = ("peak_tflops", "hbm_gbps", "dispatch_us", "efficiency", "head_scale")
 
 
 class ProfileError(ConfigError):
