@@ -224,6 +224,7 @@ def calibrated_profile(
     # 3. Per-layer entries: the measured stages less their (re-fitted) end terms, per layer.
     #    A shape shared by the last stage and others takes its layers from the others; the
     #    last stage's remainder then calibrates its chip's head (head_scale).
+    p = plan.n_stages
     last = plan.stages[-1].chip
     earlier_head = fits.setdefault(last, {}).get("head_scale")
     fits[last]["head_scale"] = 1.0  # the head as modelled, while the layers are solved
