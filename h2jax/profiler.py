@@ -196,7 +196,8 @@ def measure_hbm_gbps(device, emulated: bool, repeats: int, warmup: int, max_repe
 
     arrays = [jax.device_put(jnp.full((HBM_PARAMS,), 0.5, jnp.float32), device) for _ in range(4)]
     t = _median_time(lambda: update(*arrays), repeats, warmup, emulated, max_repeats)
-    return Timing(28 * HBM_PARAMS / t.median / 1e9, t.spread, t.samples)
+    gbps = 28 * HBM_PARAMS / t.median / 1e9 if t.median > 0 else math.nan  # nan: not resolved
+    return Timing(gbps, t.spread, t.samples)
 
 
 def refusal(chip: ChipType, m: Measurement) -> str | None:
@@ -274,7 +275,8 @@ def profile_chips(
         hbm = hbm_cache[hkey]
         slowdown = chip.emulate.slowdown if chip.is_emulated else 1.0
         points = [(e.tensor, e.tokens, e.forward_s) for e in entries.get(chip.name, ()) if e.recompute == "none"]
-        fits[chip.name] = chip_fits(chip, cfg, seq_len, points, hbm.median / slowdown)
+        measured_hbm = hbm.median / slowdown if math.isfinite(hbm.median) else None
+        fits[chip.name] = chip_fits(chip, cfg, seq_len, points, measured_hbm)
     check_spread([(c, m) for c, ms in raw.items() for m in ms
                   if refusal(next(x for x in chips if x.name == c), m) is None], max_spread)
     emulated = [c.name for c in chips if c.is_emulated]
