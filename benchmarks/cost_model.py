@@ -26,7 +26,7 @@ shared, and a real `cpu` chip's wall time grows with the load (an emulated chip'
 as long as the host keeps up with the emulated pipeline).
 
 Prints one JSON object: per plan predicted, measured, ratio predicted/measured, load.
-    python benchmarks/cost_model.py [--steps 5] [--calibrate-steps 4] [--repeats 9] [--only NAME,...]
+    python benchmarks/cost_model.py [--steps 8] [--calibrate-steps 6] [--repeats 9] [--only NAME,...]
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def load() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=5, help="steps per plan; the median after the first is measured")
-    ap.add_argument("--calibrate-steps", type=int, default=4, help="steps of each plan's calibration run")
+    ap.add_argument("--steps", type=int, default=8, help="steps per plan; the median after the first is measured")
+    ap.add_argument("--calibrate-steps", type=int, default=6, help="steps of each plan's calibration run")
     ap.add_argument("--repeats", type=int, default=9, help="timed runs per profiled shape (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
