@@ -374,6 +374,30 @@ def test_kills_model_selective_recompute_wraps_each_block_with_the_policy(monkey
     assert seen == [policy]  # one wrapper, around every block, with the stage's policy
 
 
+def test_kills_model_every_parameter_has_the_stage_dtype_and_its_logical_axes():
+    """The sharding rules split parameters by these names (a misspelt axis would leave a weight
+    replicated, still correct, silently slower); the stage's dtype reaches every parameter."""
+    from flax import nnx
+
+    from h2jax.config import ModelConfig
+    from h2jax.model import StageModel
+
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+    model = StageModel(cfg, 0, 1, seed=0, dtype=jnp.bfloat16)
+    got = {".".join(map(str, path)): (v[...].dtype, v.logical_axes)
+           for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    heads = ("embed", "heads", "head_dim")
+    kv = ("embed", "kv_heads", "head_dim")
+    expected = {
+        "embed.table_VD": ("vocab", "embed"), "head.norm.scale": ("embed",), "head.w_DV": ("embed", "vocab"),
+        "layer_000.attn.wq_DHE": heads, "layer_000.attn.wk_DKE": kv, "layer_000.attn.wv_DKE": kv,
+        "layer_000.attn.wo_HED": ("heads", "head_dim", "embed"), "layer_000.attn_norm.scale": ("embed",),
+        "layer_000.mlp.w_gate_DF": ("embed", "mlp"), "layer_000.mlp.w_up_DF": ("embed", "mlp"),
+        "layer_000.mlp.w_down_FD": ("mlp", "embed"), "layer_000.mlp_norm.scale": ("embed",),
+    }
+    assert got == {name: (jnp.dtype(jnp.bfloat16), axes) for name, axes in expected.items()}
+
+
 def test_kills_model_layer_names_and_initial_scale():
     from flax import nnx
 
