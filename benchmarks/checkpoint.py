@@ -6,6 +6,11 @@ Prints one JSON object. Goals: save and restore >= 0.7 of plain numpy; overhead 
 `small` model (the demo plan's three stages and meshes).
     python benchmarks/checkpoint.py [--dir /tmp/h2jax-ckpt-bench] [--rounds 3] [--steps 8]
 
+Where a saving step's extra time goes is reported too: the training thread's own part of a
+save (snapshot on the devices, starting the writer) and its wait for the previous checkpoint's
+write (one checkpoint in flight at a time), with the background write's own time. The load
+average before and after is recorded: on a shared machine the figures move with it.
+
 Both sides pay the same costs: the arrays start on the stages' devices and end there, every
 file is fsynced (TensorStore, under orbax, syncs each file it writes), the disk is the same
 directory. The checkpoint's figures include what numpy's do not: the metadata, the CRC-32 of
@@ -62,6 +67,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="repetitions of each measurement (median reported)")
     ap.add_argument("--steps", type=int, default=8, help="steps per round, with and without saving")
     args = ap.parse_args()
+    load_before = os.getloadavg()
 
     import jax
 
@@ -115,7 +121,7 @@ def main() -> None:
         shutil.rmtree(p)
 
     # --- step-time overhead: rounds alternate no saving and saving after every step
-    plain_steps, saving_steps = [], []
+    plain_steps, saving_steps, waits, starts, writes = [], [], [], [], []
     writer = ckpt.CheckpointWriter(base / "every-step", keep=2)
     n = 1
     for r in range(args.rounds):
@@ -127,9 +133,16 @@ def main() -> None:
         for _ in range(args.steps):
             t0 = time.perf_counter()
             trainer.step(batch(n))
+            t1 = time.perf_counter()
             writer.poll()
+            writer.wait()  # what save() would wait for: the previous checkpoint's write
+            t2 = time.perf_counter()
             writer.save(n, trainer.executors, ckpt.checkpoint_meta(plan, n))
-            saving_steps.append(time.perf_counter() - t0)
+            t3 = time.perf_counter()
+            saving_steps.append(t3 - t0)
+            waits.append(t2 - t1)
+            starts.append(t3 - t2)
+            writes.append(writer._pending[2][0])
             n += 1
         writer.wait()  # the next round's plain steps do not pay for this round's last write
     saved = ckpt.complete_steps(base / "every-step")
@@ -137,6 +150,7 @@ def main() -> None:
     if args.dir is None:
         shutil.rmtree(base)
 
+    write_s = [w.seconds for w in writes]
     mb = nbytes / 2**20
     med = lambda xs: float(np.median(xs))  # noqa: E731
     step_plain, step_saving = med(plain_steps), med(saving_steps)
@@ -149,11 +163,15 @@ def main() -> None:
         "restore_vs_plain": med(plain_load_s) / med(restore_s),
         "step_s_no_saving": step_plain, "step_s_async_save_every_step": step_saving,
         "save_every_step_overhead": step_saving / step_plain - 1.0,
+        "saving_step_training_thread_s": med(starts), "saving_step_wait_for_previous_write_s": med(waits),
+        "background_write_s": med(write_s),
         # Saving every step can hide only if a checkpoint is written within a step: the plain
         # numpy write of the same bytes, over the step time, is the floor of what any writer needs.
         "plain_numpy_save_s_per_step_s": med(plain_save_s) / step_plain,
         "checkpoints_committed_in_overhead_run": len(saved) and saved[-1],
         "rounds": args.rounds, "steps_per_round": args.steps,
+        "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "cpu_cores": os.cpu_count(),
         "goals": {"save_vs_plain": ">= 0.7", "restore_vs_plain": ">= 0.7", "save_every_step_overhead": "<= 0.05"},
     }
     json.dump(out, sys.stdout)

@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -200,39 +201,10 @@ def pack_group(tree, size: int | None = None) -> tuple[np.ndarray, list[dict]]:
                         "pieces": pieces})
     packed = np.zeros(offset if size is None else size, np.uint8)
     for start, a in parts:
+        # np.asarray of a whole device array, then one copy: per-shard copies (strided into
+        # place) measured twice as slow on the CPU backend.
         packed[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     return packed, entries
-
-
-def _device_packer(ex):
-    """For a stage this process holds whole: one compiled program that packs each group, as
-    pack_group would, into one byte array split over the stage's devices (the copy a snapshot
-    needs anyway; the host then gets one array per group), and the layouts."""
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    layouts, sizes = {}, {}
-    for g, tree in group_trees(*ex._abstract_state[:2]).items():
-        layouts[g], offset = [], 0
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            layouts[g].append({"path": _path_name(path), "dtype": np.dtype(x.dtype).name, "shape": list(x.shape),
-                               "pieces": [[[[0, d] for d in x.shape], offset]]})
-            offset += _aligned(x.size * np.dtype(x.dtype).itemsize)
-        sizes[g] = -(-offset // (ALIGN * ex.mesh.size)) * ALIGN * ex.mesh.size  # splits evenly
-
-    def pack(trees):
-        out = {}
-        for g, tree in trees.items():
-            parts = []
-            for x in jax.tree.leaves(tree):
-                raw = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-                parts += [raw, jnp.zeros(_aligned(raw.size) - raw.size, jnp.uint8)]
-            used = sum(part.size for part in parts)
-            out[g] = jnp.concatenate(parts + [jnp.zeros(sizes[g] - used, jnp.uint8)])
-        return out
-
-    packed = jax.jit(pack, out_shardings=NamedSharding(ex.mesh, PartitionSpec(tuple(ex.mesh.axis_names))))
-    return lambda trees: {g: (data, layouts[g]) for g, data in packed(trees).items()}
 
 
 def unpack_leaf(path: str, want, found: list[tuple[dict, np.ndarray]], where: str) -> np.ndarray:
@@ -401,6 +373,7 @@ class _ItemWrite:
     def __init__(self, pending: Path, name: str, snapshot: dict, rows: dict[str, int] | None = None):
         self.path, self.rows = pending / name, rows
         self.error: BaseException | None = None
+        self.seconds: float | None = None  # how long the write took, once done
         self.done = threading.Event()
         # One orbax save at a time per process: its operation ids are process-global.
         self.thread = threading.Thread(target=self._write, args=(snapshot,), name=f"h2jax-ckpt-{name}",
@@ -408,15 +381,13 @@ class _ItemWrite:
         self.thread.start()
 
     def _write(self, snapshot: dict) -> None:
+        start = time.perf_counter()
         try:
             import orbax.checkpoint as ocp
 
             packed, layout = {}, {}
-            for g, value in snapshot.items():
-                if isinstance(value, tuple):  # packed on its device already
-                    packed[g], layout[g] = np.asarray(value[0]), value[1]
-                else:
-                    packed[g], layout[g] = pack_group(value, None if self.rows is None else self.rows[g])
+            for g, tree in snapshot.items():
+                packed[g], layout[g] = pack_group(tree, None if self.rows is None else self.rows[g])
             del snapshot  # the device copies go as soon as they are on the host
             if self.rows is not None:
                 packed = _rows_array(packed)
@@ -434,6 +405,7 @@ class _ItemWrite:
         except BaseException as e:  # surfaced in the training thread by CheckpointWriter
             self.error = e
         finally:
+            self.seconds = time.perf_counter() - start
             self.done.set()
 
     def wait(self) -> None:
@@ -527,12 +499,12 @@ class CheckpointWriter:
 
     def _snapshot(self, ex) -> dict:
         """A copy of the stage's state on its devices, in one compiled program (the next
-        update donates the live buffers): {group: (bytes, layout)} packed on the stage's first
-        device when this process holds the whole stage, else {group: tree} on its mesh."""
+        update donates the live buffers). (Packing each group on the devices instead, in this
+        program, cost the CPU backend twice the host packing's time: XLA's byte-wise
+        concatenation and the gather of its pieces.)"""
         if ex not in _SNAPSHOT:
-            _SNAPSHOT[ex] = _device_packer(ex) if jax.process_count() == 1 else jax.jit(
-                lambda t: jax.tree.map(lambda x: x.copy(), t),
-                out_shardings=group_trees(ex.param_sharding, ex.opt_sharding))
+            shardings = group_trees(ex.param_sharding, ex.opt_sharding)
+            _SNAPSHOT[ex] = jax.jit(lambda t: jax.tree.map(lambda x: x.copy(), t), out_shardings=shardings)
         return _SNAPSHOT[ex](group_trees(ex.params, ex.opt_state))
 
     def _local_done(self) -> bool:
