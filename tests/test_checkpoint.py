@@ -400,3 +400,129 @@ def test_under_mpi_kill_during_save_then_resume_on_the_same_and_another_plan(tok
     proc = _mpi_cli(2, *resume[:3], "--plan", str(reader), *resume[3:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     np.testing.assert_allclose(json.loads(proc.stdout.strip().splitlines()[-1])["losses"], straight[3:5], rtol=1e-5)
+
+
+def _ranks_of(launcher_pid: int) -> list[int]:
+    """The pids of the `python -m h2jax run` processes under an mpiexec (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" (", 1)
+            children.setdefault(int(rest.rsplit(") ", 1)[1].split()[1]), []).append(int(pid))
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    found, todo = [], [launcher_pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                if b"h2jax" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(child)
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+def test_under_mpi_sigterm_saves_the_step_and_exits_0(token_file, tmp_path):
+    """(d) under mpiexec: SIGTERM to one rank of a 3-process job (stage 0 spans two processes)
+    -- every rank stops after the same step, the checkpoint of it is committed, exit status 0,
+    and another plan in one process resumes it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from h2jax.plan import save_plan
+    from tests.conftest import TEST_XLA_FLAGS, checkout_env
+    from tests.test_mpi_transport import MPIEXEC
+
+    if not Path(MPIEXEC).exists():
+        pytest.skip("mpiexec not found (pip install mpich)")
+    plan_file, directory = tmp_path / "plan.json", tmp_path / "ckpt"
+    save_plan(make_plan(MPI_WRITER), plan_file)
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "3", sys.executable, "-m", "h2jax", "run", "--plan", str(plan_file), "--steps", "100000",
+         "--data", str(token_file), "--checkpoint-dir", str(directory), "--save-every", "2", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=checkout_env({**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}))
+    try:
+        deadline = time.monotonic() + 600  # a guard against a hang, not a measurement
+        while not ckpt.complete_steps(directory) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ckpt.complete_steps(directory), "no checkpoint appeared"
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 3, ranks
+        os.kill(ranks[-1], signal.SIGTERM)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    steps = ckpt.complete_steps(directory)
+    last = ckpt.step_dir(directory, steps[-1])
+    assert f"stopped by SIGTERM after step {steps[-1]}; checkpoint of step {steps[-1]} written to {last}" in err, err
+    assert not list(directory.glob("*.pending")), "a write left unfinished"
+    plan = make_plan(TWO)
+    checkpoint = ckpt.open_checkpoint(directory, plan)  # every file's size and CRC-32
+    trainer = Trainer(plan, emulate_time=False)
+    checkpoint.restore_all(trainer.executors.values())
+    assert np.isfinite(train(trainer, TokenDataset(token_file, SEQ), checkpoint.step, 1)[0])
+
+
+MPI_BAD_READER = [stage("cpu", 1, 1, [0, 2]), stage("cpu", 1, 1, [2, 4])]  # two processes
+
+
+def _damage(case: str, directory: Path) -> tuple[dict, str, str]:
+    """Damage the checkpoint copy in `directory` as `case` says: (the plan's changes, --resume's
+    argument, the error expected: the file and the cause)."""
+    import shutil
+
+    step3 = ckpt.step_dir(directory, 3)
+    if case == "another model config":
+        return ({"model": {"vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+                           "d_ff": 256}}, "3",
+                f"{step3 / ckpt.META}: written for another model config (d_ff: checkpoint 128, plan 256)")
+    if case == "other data settings":
+        return ({"global_batch": 16}, "3", f"{step3 / ckpt.META}: data global_batch is 8 in the checkpoint but 16")
+    if case in ("corrupted", "truncated"):
+        path = _array_file(directory)
+        if case == "corrupted":
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        else:
+            os.truncate(path, path.stat().st_size // 2)
+        return ({}, "3", f"{path}: {case}")
+    if case == "truncated metadata":
+        os.truncate(step3 / ckpt.META, (step3 / ckpt.META).stat().st_size // 2)
+        return ({}, "3", f"{step3 / ckpt.META}: unreadable or truncated")
+    if case == "missing item":
+        shutil.rmtree(step3 / "layers_000-003")
+        return ({}, "3", f"{step3 / 'layers_000-003'}: missing (it holds embed, head, layer_000, ")
+    if case == "missing step":
+        return ({}, "5", f"{ckpt.step_dir(directory, 5)}: no checkpoint of step 5; this directory holds steps 3")
+    assert case == "not a checkpoint directory"
+    shutil.rmtree(directory)
+    directory.mkdir()
+    return ({}, "3", f"{directory}: not an h2jax checkpoint directory (no step_NNNNNN/ checkpoints in it)")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["another model config", "other data settings", "corrupted", "truncated",
+                                  "truncated metadata", "missing item", "missing step",
+                                  "not a checkpoint directory"])
+def test_under_mpi_resume_refuses_bad_input_naming_the_file(case, copy, token_file, tmp_path):
+    """(e) under mpiexec: each rank checks the items of its own stage before compiling; the
+    job ends with the error naming the file and the cause, no traceback."""
+    from h2jax.plan import save_plan
+
+    changes, step, expected = _damage(case, copy)
+    save_plan(make_plan(MPI_BAD_READER, **changes), tmp_path / "plan.json")
+    proc = _mpi_cli(2, "-m", "h2jax", "run", "--plan", str(tmp_path / "plan.json"), "--steps", "1", "--data",
+                    str(token_file), "--checkpoint-dir", str(copy), "--resume", step)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert expected in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
