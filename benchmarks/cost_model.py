@@ -61,6 +61,7 @@ PLANS: dict[str, tuple[int, int, list[dict]]] = {
     "cpu-1stage-m1": (4, 4, [stage("cpu", (0, 8))]),
     "cpu-2stage-m4": (8, 2, [stage("cpu", (0, 4)), stage("cpu", (4, 8))]),
     "cpu-tensor2-m2": (8, 4, [stage("cpu", (0, 8), tensor=2)]),
+    "cpu-data2-m2": (8, 4, [stage("cpu", (0, 8), data=2)]),
     "cpu-4stage-m8": (8, 1, [stage("cpu", (2 * i, 2 * i + 2)) for i in range(4)]),
     "emu-mid-2stage-m8": (8, 1, [stage("emu-mid", (0, 4)), stage("emu-mid", (4, 8))]),
     "emu-slow-data2+emu-mid-tensor2-m4": (
@@ -68,7 +69,8 @@ PLANS: dict[str, tuple[int, int, list[dict]]] = {
     "emu-slow-data2xtensor2-m2": (8, 4, [stage("emu-slow", (0, 8), data=2, tensor=2)]),
     "emu-slow/mid/fast/fast-4stage-m16": (16, 1, [
         stage("emu-slow", (0, 1)), stage("emu-mid", (1, 3)), stage("emu-fast", (3, 6)), stage("emu-fast", (6, 8))]),
-    "cpu+emu-mid-data2-m4": (8, 2, [stage("cpu", (0, 4)), stage("emu-mid", (4, 8), data=2)]),
+    "cpu+emu-mid-data2+emu-slow-3stage-m4": (8, 2, [
+        stage("cpu", (0, 3)), stage("emu-mid", (3, 6), data=2), stage("emu-slow", (6, 8))]),
 }
 
 
