@@ -90,8 +90,7 @@ def main() -> None:
     warm = ckpt.CheckpointWriter(base / "warm-up")
     warm.save(1, trainer.executors, ckpt.checkpoint_meta(plan, 1))
     warm.wait()
-    for ex in trainer.executors.values():
-        ckpt.open_checkpoint(base / "warm-up", plan).restore(ex)
+    ckpt.open_checkpoint(base / "warm-up", plan).restore_all(trainer.executors.values())
     shutil.rmtree(base / "warm-up")
     save_s, plain_save_s, restore_s, plain_load_s = [], [], [], []
     for r in range(args.rounds):
@@ -109,8 +108,7 @@ def main() -> None:
 
         t0 = time.perf_counter()
         checkpoint = ckpt.open_checkpoint(d, plan)  # checks every file's size and CRC-32
-        for ex in trainer.executors.values():
-            checkpoint.restore(ex)
+        checkpoint.restore_all(trainer.executors.values())  # as h2jax run --resume does
         jax.block_until_ready([(ex.params, ex.opt_state) for ex in trainer.executors.values()])
         restore_s.append(time.perf_counter() - t0)
 

@@ -288,8 +288,7 @@ class Trainer:
         ckpt = open_checkpoint(directory, self.plan, step=step, stages=list(self.executors))
         if dataset is not None:
             check_compatible(dataset, self.plan.model.vocab_size, ckpt.meta["data"].get("tokenizer_sha256"))
-        for ex in self.executors.values():
-            ckpt.restore(ex)
+        ckpt.restore_all(self.executors.values())  # one read per item for every stage here
         self.step_count = ckpt.step
         return ckpt.meta
 
@@ -560,8 +559,7 @@ def _run(unpipelined, plan, steps, dataset, transport, on_step, on_eval, log_dir
                       tracer=StepTracer() if trace or log_dir else None)
     start = 0
     if checkpoint is not None:
-        for ex in trainer.executors.values():
-            checkpoint.restore(ex)
+        checkpoint.restore_all(trainer.executors.values())  # one read per item for every stage here
         trainer.step_count = start = checkpoint.step
     checkpoints = None
     if checkpoint_dir is not None:
