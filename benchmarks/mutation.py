@@ -48,7 +48,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     # the figures by hand from made-up analyses (no compile); tests/test_reference_runtime.py checks
     # them against a compiled stage's arrays, too slow to repeat for each mutant
     "memory": ("h2jax/runtime/memory.py", ["tests/test_mutation_kills.py", "-k", "kills_memory_"]),
-    "cost_model": ("h2jax/planner/cost_model.py", ["tests/test_planner.py", "tests/test_mutation_kills.py",
+    "cost_model": ("h2jax/planner/cost_model.py", ["tests/test_planner.py", "tests/test_cost_terms.py", "tests/test_mutation_kills.py",
                                                    "-k", "not kills_ or kills_planner_cost"]),
     "memory_model": ("h2jax/planner/memory_model.py", ["tests/test_planner.py", "tests/test_mutation_kills.py",
                                                        "-k", "not kills_ or kills_planner_memory"]),

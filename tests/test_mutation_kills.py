@@ -922,3 +922,79 @@ def test_kills_reshard_least_loaded_replica_first_and_owners():
     assert [(t.src, t.dst) for t in plan] == [("r0", "d0"), ("r1", "d0"), ("r2", "d1"), ("r0", "d1"),
                                               ("r1", "d2"), ("r2", "d2")]
     assert rs._split((slice(2, 3), slice(0, 1)), 5) == [(slice(2, 3), slice(0, 1))]  # one element: one piece
+
+
+def _two_stage_plan(schedule="1f1b"):
+    return plan_from_dict({"format_version": 1, "model": "tiny", "seq_len": 16, "global_batch": 8, "micro_batch": 2,
+                           "schedule": schedule,
+                           "stages": [{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [0, 2]},
+                                      {"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [2, 4]}]})
+
+
+def test_kills_planner_cost_plan_terms_take_the_profile_and_the_deferred_gradients():
+    from h2jax.planner.profile import Profile, ProfileEntry, ProfileError
+
+    plan = _two_stage_plan("zb-h1")
+    held, deferred = cm.memory_holds("zb-h1", 0, 2, 4)
+    assert deferred > 0
+    assert [t.mem.deferred for t in cm.plan_stage_terms(plan, None)] == [deferred, cm.memory_holds("zb-h1", 1, 2, 4)[1]]
+    tokens = plan.micro_batch * plan.seq_len
+    entry = ProfileEntry(1, tokens, forward_s=0.5, backward_s=0.75)
+    profile = Profile(plan.model, plan.seq_len, {"cpu": (entry,)})
+    measured = cm.plan_stage_terms(plan, None, profile)
+    dispatch = cm.chips_by_name(None, plan)["cpu"].dispatch_s
+    assert measured[0].fwd_layer == pytest.approx(cm.per_layer_of_entry(0.5, dispatch))
+    assert cm.plan_stage_terms(plan, None)[0].fwd_layer < 0.01  # the analytical figure is another
+    other = Profile(plan.model, plan.seq_len + 1, {"cpu": (entry,)})
+    with pytest.raises(ProfileError, match="seq_len 17, but the plan is for tiny at seq_len 16"):
+        cm.plan_stage_terms(plan, None, other)
+
+
+def test_kills_planner_cost_stage_costs_from_chip_files_carry_the_send_bytes():
+    plan = _two_stage_plan()
+    costs = cm.stage_costs(plan, None)  # chip types read by the plan's names
+    cpu = cm.chips_by_name(None, plan)["cpu"]
+    _, nbytes = cm.send_terms(plan.model, 16, 2, cpu, 1, 1, cpu, 1, 1)
+    assert costs[0].send_bytes == nbytes > 0 and costs[1].send_bytes == 0
+    # the default schedule is 1F1B's closed form
+    assert cm.pipeline_time(costs, 4) == cm.pipeline_time(costs, 4, "1f1b")
+    assert cm.iteration_time(costs, 4) == cm.iteration_time(costs, 4, "1f1b")
+
+
+def test_kills_planner_cost_measured_backward_splits_its_weight_share_and_kernel_reaches_attention():
+    from h2jax.planner.profile import Profile, ProfileEntry
+
+    entry = ProfileEntry(1, 16, forward_s=0.5, backward_s=1.0)
+    profile = Profile(_MM_CFG, 8, {"c": (entry,)})
+    t = cm.stage_terms(_MM_CFG, 8, 2, _cm_chip(), 1, 1, "none", False, False, 1, profile)
+    mm_flops = 16 * 2 * 1920
+    fwd_flops = mm_flops + 16 * cm.attention_flops_per_token(_MM_CFG, 8)
+    assert t.bwd_weight_layer == pytest.approx(t.bwd_layer * mm_flops / (2 * fwd_flops), rel=1e-12)
+    # cuDNN's causal tiles at 200 positions: the fused kernel's FLOPs, not the full square
+    n = 200
+    t = cm.stage_terms(_MM_CFG, n, 1, _cm_chip("fused", "cuda"), 1, 1, "none", False, False, 1)
+    rate = 1e12 * 0.75 * n / (n + 256) * 16 / (16 + 256)
+    attn_s = n * cm.attention_flops_per_token(_MM_CFG, n, "cudnn") / rate
+    mem_s = n * cm.memory_bound_bytes_per_token(_MM_CFG, 1, 2) / 5e9
+    assert t.fwd_layer == pytest.approx(n * 2 * 1920 / rate + attn_s + mem_s, rel=1e-12)
+
+
+def test_kills_planner_cost_a_sharded_optimizer_state_is_split_over_data():
+    def static(shard):
+        t = cm.stage_terms(_MM_CFG, 8, 2, _cm_chip(), 2, 1, "none", False, False, 1,
+                           options=cm.CostOptions(shard_optimizer=shard))
+        return t.mem.layer_static
+
+    assert static(True) < static(False)
+    assert static(False) - static(True) == pytest.approx(mm.OPTIMIZER_STATE_BYTES["adamw"] * 1952 / 2)
+
+
+def test_kills_planner_cost_one_interleaved_stage_sends_nothing_to_itself():
+    raw = {"format_version": 1, "model": "tiny", "seq_len": 16, "global_batch": 8, "micro_batch": 2,
+           "schedule": "interleaved-1f1b", "virtual_stages": 2,
+           "stages": [{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [[0, 2], [2, 4]]}]}
+    (cost,) = cm.stage_costs(plan_from_dict(raw), None)
+    assert cost.send_s == 0.0 and cost.send_bytes == 0 and cost.link_latency_s == 0.0
+    two = dict(raw, stages=[{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [[0, 1], [2, 3]]},
+                            {"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [[1, 2], [3, 4]]}])
+    assert cm.stage_costs(plan_from_dict(two), None)[1].send_bytes > 0  # the last stage's chunk wraps to stage 0
