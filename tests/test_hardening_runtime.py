@@ -4,6 +4,7 @@ process after the same step with one line; under MPI a stopped rank is named by 
 watchdog instead of stalling the job."""
 
 import os
+import types
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from h2jax.cli import main as cli_main
 from h2jax.plan import plan_from_dict
 from h2jax.runtime.pipeline import NonFiniteLossError
 from h2jax.runtime.signals import RunInterrupted, StopSignals, stop_signal
+from h2jax.runtime import watchdog
 from h2jax.runtime.watchdog import StepWatchdog, step_limit
 from tests.conftest import TEST_XLA_FLAGS, checkout_env
 
@@ -152,6 +154,11 @@ def test_stop_decisions_are_agreed_through_the_transport():
 
 
 class _FakeComm:
+    """Rank 0 of 3: `inbox` holds (source, message) in arrival order; `sent` what it isent."""
+
+    def __init__(self, inbox=()):
+        self.inbox, self.sent = list(inbox), []
+
     def Dup(self):
         return self
 
@@ -160,6 +167,37 @@ class _FakeComm:
 
     def Get_size(self):
         return 3
+
+    def isend(self, message, dest, tag):
+        self.sent.append((dest, message))
+        return types.SimpleNamespace(Test=lambda: True)
+
+    def iprobe(self, source, tag, status):
+        if self.inbox:
+            status.Set_source(self.inbox[0][0])
+        return bool(self.inbox)
+
+    def recv(self, source, tag):
+        i = next(k for k, (src, _) in enumerate(self.inbox) if src == source)
+        return self.inbox.pop(i)[1]
+
+
+def test_closing_receives_every_heartbeat_up_to_each_watched_ranks_closing_message():
+    # a heartbeat left unreceived at MPI_Finalize is a UCX warning on stdout after `--json`'s line
+    inbox = [(1, (3, 0.5)), (2, (3, 0.5)), (1, None), (2, (4, 0.5)), (2, None)]
+    comm = _FakeComm(inbox)
+    dog = StepWatchdog(comm, lambda r: f"rank {r}", interval_s=3600)
+    dog.close()
+    assert comm.inbox == []
+    assert comm.sent == [(1, None), (2, None)]  # its own closing message to the ranks it beats to
+
+
+def test_closing_gives_up_on_a_rank_that_never_closes(monkeypatch):
+    monkeypatch.setattr(watchdog, "DRAIN_S", 0.05)
+    comm = _FakeComm([(1, (3, 0.5)), (1, None)])  # rank 2 never says it is closing
+    dog = StepWatchdog(comm, lambda r: f"rank {r}", interval_s=3600)
+    dog.close()  # returns: a failed peer must not hang this rank's exit
+    assert comm.inbox == []
 
 
 def test_the_watchdog_names_the_silent_rank_and_the_laggard():

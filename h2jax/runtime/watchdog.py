@@ -7,6 +7,11 @@ stopped or wedged) or when no rank has finished a step for the limit (naming the
 are furthest behind); the other ranks do the same for rank 0. The heartbeats come from a
 thread, so a rank that merely waits for a slow peer keeps beating.
 
+At the end each rank tells the ranks it beats to that it is closing and receives what the
+ranks it watches sent until they say the same (at most `DRAIN_S` seconds): a heartbeat left
+unreceived at MPI_Finalize makes MPICH's UCX layer print a warning on standard output, after
+the run's own output (`h2jax run --json`'s last line).
+
 The limit: `H2JAX_STEP_TIMEOUT` seconds when set, else the larger of 300 s and 20 times the
 slowest step so far; until the first step has finished (compilation),
 `H2JAX_FIRST_STEP_TIMEOUT` (default 1800 s).
@@ -24,6 +29,8 @@ _TAG = 7_301
 MIN_LIMIT_S = 300.0
 STEP_FACTOR = 20.0
 FIRST_STEP_S = 1800.0
+DRAIN_S = 5.0  # how long close() waits for the watched ranks' closing message
+_CLOSING = None  # the message a rank sends when it stops beating
 
 
 def step_limit(slowest_step_s: float | None, env=os.environ) -> float:
@@ -69,6 +76,27 @@ class StepWatchdog:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._drain()
+
+    def _targets(self) -> list[int]:
+        return list(range(1, self.size)) if self.rank == 0 else [0]
+
+    def _drain(self) -> None:
+        """Send the closing message; receive heartbeats until every watched rank has sent its
+        own (messages between two ranks arrive in order: nothing of theirs follows it), or
+        DRAIN_S has passed (a peer that failed: the job is being aborted anyway)."""
+        for dest in self._targets():
+            self._sends.append(self.comm.isend(_CLOSING, dest=dest, tag=_TAG))
+        open_ = set(self._watched())
+        deadline = time.monotonic() + DRAIN_S
+        while open_ and time.monotonic() < deadline:
+            for src, message in self._pending():
+                if message is _CLOSING:
+                    open_.discard(src)
+            if open_:
+                time.sleep(0.002)
+        while self._sends and time.monotonic() < deadline:  # small messages: already delivered
+            self._sends = [r for r in self._sends if not r.Test()]
 
     # ------------------------------------------------------------------ the thread
 
@@ -83,17 +111,24 @@ class StepWatchdog:
     def _send(self) -> None:
         self._sends = [r for r in self._sends if not r.Test()]
         message = (self.step, self.slowest)
-        for dest in ([r for r in range(1, self.size)] if self.rank == 0 else [0]):
+        for dest in self._targets():
             self._sends.append(self.comm.isend(message, dest=dest, tag=_TAG))
 
-    def _receive(self) -> None:
+    def _pending(self) -> list[tuple[int, object]]:
+        """(source, message) of every heartbeat that has arrived."""
         from mpi4py import MPI
 
-        status = MPI.Status()
+        out, status = [], MPI.Status()
         while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=_TAG, status=status):
             src = status.Get_source()
-            step, slowest = self.comm.recv(source=src, tag=_TAG)
-            self.heard_from(src, step, slowest, self.clock())
+            out.append((src, self.comm.recv(source=src, tag=_TAG)))
+        return out
+
+    def _receive(self) -> None:
+        for src, message in self._pending():
+            if message is not _CLOSING:
+                step, slowest = message
+                self.heard_from(src, step, slowest, self.clock())
 
     def heard_from(self, src: int, step: int, slowest: float | None, now: float) -> None:
         self.heard[src] = now
