@@ -175,28 +175,27 @@ def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
     (the windows of the DP: q' = i + 1 stages, the block's k <= k_max[s] stages in front of q).
 
     A window of length k is covered by two blocks of length 2**floor(log2 k), one starting at
-    its start and one ending at its end (minima over 2**v-blocks by doubling); windows cut at 0
-    are prefix minima."""
+    its start and one ending at its end (minima over 2**v-blocks by doubling, each level built
+    only for the shapes whose windows need it: the shapes come sorted by k_max); windows cut
+    at 0 are prefix minima."""
     n = H.shape[-1]
-    out = np.minimum.accumulate(H, axis=-1)  # the windows that reach q = 0
     k = np.minimum(k_max, n).astype(np.int64)
-    short = sorted(set(k[k < n].tolist()))
-    if not short:
-        return out
-    levels = [H]
-    while 2 ** len(levels) <= max(short):
-        P, span = levels[-1], 2 ** (len(levels) - 1)
-        nxt = np.full_like(P, np.inf)
-        nxt[..., : n - span] = np.minimum(P[..., : n - span], P[..., span:])
-        levels.append(nxt)
-    ordered = bool((np.diff(k) >= 0).all())  # type_tables sorts shapes by k_max: slices, not copies
-    for kk in short:
-        hit = np.flatnonzero(k == kk)
-        sel = slice(int(hit[0]), int(hit[-1]) + 1) if ordered else hit
+    if len(k) > 1 and not (np.diff(k) >= 0).all():
+        order = np.argsort(k, kind="stable")
+        return _window_min(H[..., order, :], k[order])[..., np.argsort(order), :]
+    out = np.minimum.accumulate(H, axis=-1)  # the windows that reach q = 0
+    n_short = int(np.searchsorted(k, n))  # shapes [0, n_short) have windows shorter than a row
+    level, first, v = H[..., :n_short, :], 0, 0  # level v: shapes first.., length n - 2**v + 1
+    for kk in sorted(set(k[:n_short].tolist())):
         lev = kk.bit_length() - 1
-        span = 1 << lev
-        P = levels[lev][..., sel, :]
-        out[..., sel, kk - 1:] = np.minimum(P[..., : n - kk + 1], P[..., kk - span: n - span + 1])
+        while v < lev:
+            start, span = int(np.searchsorted(k, 2 ** (v + 1))), 1 << v
+            rows = level[..., start - first:, :]
+            level = np.minimum(rows[..., : rows.shape[-1] - span], rows[..., span:])
+            first, v = start, v + 1
+        lo, hi, span = int(np.searchsorted(k, kk)), int(np.searchsorted(k, kk, side="right")), 1 << lev
+        P = level[..., lo - first: hi - first, :]
+        out[..., lo:hi, kk - 1:] = np.minimum(P[..., : n - kk + 1], P[..., kk - span: n - span + 1])
     return out
 
 
@@ -268,6 +267,10 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
     and type t, the masks of that level are one batched window minimum."""
     live = [t for t, table in enumerate(tables) if table.size]
     ans = np.full(R, np.inf)
+    # per type, the block's own terms where its positions hold a middle stage (else inf): as
+    # the front block (first stage at q' + 1) and as a block with more in front of it
+    as_front = {t: np.where(ws[t].mid_ok[..., 1:L], ws[t].Wm[..., 1:L] + ws[t].first[..., 2:], np.inf) for t in live}
+    as_block = {t: np.where(ws[t].mid_ok[..., 1:], ws[t].Wm[..., 1:], np.inf) for t in live}
     F: dict[int, np.ndarray | None] = {0: None}  # the empty back part: the block is the last
     for level in range(len(live)):
         nxt: dict[int, np.ndarray] = {}
@@ -276,19 +279,20 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
             if not masks:
                 continue
             table, w = tables[t], ws[t]
-            H = np.full((len(masks), R, table.size, L), np.inf)  # H[q], q = 0..L-1 stages behind
+            H = np.empty((len(masks), R, table.size, L))  # H[q], q = 0..L-1 stages behind
             if level == 0:
                 H[0, ..., 0] = w.last1 - w.Wm[..., 1]
+                H[0, ..., 1:] = np.inf
             else:
+                H[..., 0] = np.inf
                 H[..., 1:] = np.stack([F[S] for S in masks])[:, :, None, 1:L] - w.Wm[None, ..., 1:L]
             M = _window_min(H, table.k_max)  # (n, R, S, L): q' = 1..L, k <= k_max stages
-            front = np.where(w.mid_ok[..., 1:L], w.Wm[..., 1:L] + w.first[..., 2:] + M[..., 1:], np.inf)
-            ans = np.minimum(ans, front.min(axis=(0, 2, 3), initial=np.inf))
+            ans = np.minimum(ans, (as_front[t] + M[..., 1:]).min(axis=(0, 2, 3), initial=np.inf))
             if level == 0:
                 ans = np.minimum(ans, w.only1.min(axis=1))
             if level == len(live) - 1:
                 continue  # every type is behind: nothing more in front
-            block = np.where(w.mid_ok[..., 1:], w.Wm[..., 1:] + M, np.inf).min(axis=2)  # (n, R, L)
+            block = (as_block[t] + M).min(axis=2)  # (n, R, L)
             for S, blk in zip(masks, block):
                 if not np.isfinite(blk).any():
                     continue

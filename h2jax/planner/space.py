@@ -186,6 +186,14 @@ class Context:
             self._terms[key] = t
         return t
 
+    def layer_cap(self, t: cm.StageTerms) -> int:
+        """The most layers a stage of these (cached) terms holds: the fit test's, cached."""
+        key = ("cap", id(t.mem))  # t: one of self._terms' (alive)
+        cap = self._caps.get(key)
+        if cap is None:
+            cap = self._caps[key] = t.mem.max_layers()
+        return cap
+
     def position_caps(self, options: Sequence[Option], m: int) -> np.ndarray:
         """Per stage of a stage list, the most layers its shape holds as a middle stage with
         its position's in-flight micro-batches (the fit test's; a bound: an end stage or one

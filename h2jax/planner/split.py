@@ -33,7 +33,7 @@ def _leaf(ctx: Context, b: int, options: Sequence[Option]) -> _Leaf | None:
     p, m = len(shapes), ctx.global_batch // b
     terms = [ctx.terms(b, o, i == 0, i == p - 1, *ctx.holds(i, p, m)) for i, o in enumerate(shapes)]
     L = ctx.model.n_layers
-    caps = np.minimum(np.array([t.mem.max_layers() for t in terms], dtype=np.int64), L - p + 1)
+    caps = np.minimum(np.array([ctx.layer_cap(t) for t in terms], dtype=np.int64), L - p + 1)
     if caps.min() < 1 or caps.sum() < L:
         return None
     max_send, links = stage_list_sends(ctx, b, shapes)
@@ -316,7 +316,18 @@ def _leaf_bound(
     e = np.zeros(p)
     e[0] += e_first
     e[-1] += e_last
-    values = np.unique(np.concatenate([c[i] * np.arange(1, caps[i] + 1) + e[i] for i in range(p)]))
+    # the candidate bottlenecks c_i * l + e_i, l <= cap_i, as one run per group of stages that
+    # share c and e (a block's inner stages; each end stage alone) up to the group's largest
+    # cap: a superset of the breakpoints, so the least one that holds L layers is the same
+    runs, start = [], 0
+    for o in chosen:
+        inner = [x for x in range(start, start + o.stages) if 0 < x < p - 1]
+        groups = [inner] + [[x] for x in range(start, start + o.stages) if x in (0, p - 1)]
+        for g in groups:
+            if g:
+                runs.append(c[g[0]] * np.arange(1, caps[g].max() + 1) + e[g[0]])
+        start += o.stages
+    values = np.unique(np.concatenate(runs))
     held = lambda v: np.minimum(caps, np.floor((v - e) / c + 1e-9)).clip(min=0).sum()  # noqa: E731
     lo, hi = 0, len(values) - 1
     while lo < hi:
