@@ -262,3 +262,71 @@ def test_a_shape_shared_with_the_last_stage_takes_its_layers_from_the_others_and
     assert costs[0].backward_s == pytest.approx(bwd[0], rel=1e-9)
     assert costs[1].forward_s + costs[1].backward_s == pytest.approx(fwd[1] + bwd[1], rel=1e-9)
     assert profile.fits["emu-fast"]["head_scale"] > 1.0
+
+
+def busy_trace(plan, steps, step_s, opt_s):
+    """A 2-stage trace of real chips as the local transport's async dispatch records it:
+    each stage's computes are queued ahead and fill its whole step (input waits included),
+    the optimizer last; step k ends at (k + 1) * step_s."""
+    m, events = plan.n_micro, []
+    order = {0: [f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)],
+             1: [x for k in range(m) for x in (f"F{k}", f"B{k}")]}
+    slot = (step_s - opt_s) / (2 * m)
+    for step in range(steps):
+        for stage, names in order.items():
+            t = step * step_s
+            for name in names:
+                events.append(TraceEvent(stage, name, t, slot, {"micro": int(name[1:])}))
+                t += slot
+            events.append(TraceEvent(stage, "optimizer", t, opt_s))
+    return events
+
+
+def test_a_real_chip_plan_is_calibrated_to_reproduce_its_measured_step():
+    """Traced as busy for the whole step, each stage's f + b is t = (S - opt) / m; the 1F1B
+    closed form gives (m + p - 1) * t + 2 * links + tail > S. Calibration scales the stages'
+    forward and backward by one factor s so that the model's step is the measured S:
+    s = (S - tail - 2 * links) / ((m + p - 1) * t)."""
+    from h2jax.calibrate import calibrated_profile, fit_real_stages_to_step
+
+    # two real chip types: each stage's own entry reproduces its traced time exactly
+    stages = (Stage("cpu", Mesh(1, 1), (0, 2)), Stage("cpu-bf16", Mesh(1, 1), (2, 4)))
+    plan = Plan(TINY, 32, 4, 1, stages, model_name="tiny")  # m = 4, p = 2
+    S, opt = 0.2, 0.01
+    t = (S - opt) / 4
+    events = busy_trace(plan, 4, S, opt)
+    measured = measure(plan, events, cm.stage_costs(plan, None))
+    assert measured.step_s == pytest.approx(S)
+    assert measured.stages[0].forward_s + measured.stages[0].backward_s == pytest.approx(t)
+    unscaled = cm.stage_costs(plan, None, calibrated_profile(plan, measured, _chips(plan)))
+    links = sum(c.send_s + c.link_latency_s for c in unscaled)
+    tail = max(c.dp_reduce_s + c.optimizer_s for c in unscaled)
+    assert [c.forward_s + c.backward_s for c in unscaled] == [pytest.approx(t), pytest.approx(t)]
+    assert cm.iteration_time(unscaled, 4) == pytest.approx(5 * t + 2 * links + tail) and 5 * t > S
+
+    _, scale = fit_real_stages_to_step(plan, measured, _chips(plan))
+    assert scale == pytest.approx((S - tail - 2 * links) / (5 * t), rel=1e-9)
+    _, profile = calibrate(plan, events=events)
+    calibrated_costs = cm.stage_costs(plan, None, profile)
+    assert cm.iteration_time(calibrated_costs, 4) == pytest.approx(S, rel=1e-9)
+    for c in calibrated_costs:
+        assert c.forward_s + c.backward_s == pytest.approx(scale * t, rel=1e-9)
+    assert f"x {scale:.3f}" in profile.source  # where the profile says it came from
+
+
+def test_a_plan_the_model_reproduces_or_with_an_emulated_chip_is_not_rescaled():
+    from h2jax.calibrate import fit_real_stages_to_step
+
+    cpu = (Stage("cpu", Mesh(1, 1), (0, 2)), Stage("cpu", Mesh(1, 1), (2, 4)))
+    # the GPipe-like trace laid out back to back: the model's 1F1B step is below the measured one
+    plan = Plan(TINY, 32, 2, 1, cpu, model_name="tiny")
+    got = measure(plan, synthetic_trace(plan, 3, FWD, BWD, OPT), cm.stage_costs(plan, None))
+    assert cm.iteration_time(cm.stage_costs(plan, None, calibrate(plan, events=synthetic_trace(
+        plan, 3, FWD, BWD, OPT))[1]), 2) < got.step_s
+    fitted, scale = fit_real_stages_to_step(plan, got, _chips(plan))
+    assert scale == 1.0 and fitted is got
+    # an emulated stage: every stage is timed on a clock, its trace is kept as measured
+    emulated = Plan(TINY, 32, 4, 1, (Stage("emu-fast", Mesh(1, 1), (0, 2)), cpu[1]), model_name="tiny")
+    busy = measure(emulated, busy_trace(emulated, 4, 0.2, 0.01), cm.stage_costs(emulated, None))
+    fitted, scale = fit_real_stages_to_step(emulated, busy, _chips(emulated))
+    assert scale == 1.0 and fitted is busy
