@@ -31,7 +31,8 @@ item finished, the primary process writes checkpoint.json and renames the direct
 leaves the previous one intact. Asynchronous: `save` returns once the state is copied on its
 devices (one compiled program per stage: the next update donates the live buffers); a
 background thread copies it to the host, packs it and has orbax write it while training goes
-on.
+on. The writer and tensorstore's I/O threads run at a lower CPU priority than training
+(BACKGROUND_NICENESS, on Linux): on cores training keeps busy, the write takes the idle time.
 
 Everything a resume needs is checked by `open_checkpoint` before any stage compiles: the
 format, the model config, the data settings, that each needed item exists, and the size and
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -199,12 +201,32 @@ def pack_group(tree, size: int | None = None) -> tuple[np.ndarray, list[dict]]:
             offset += _aligned(a.nbytes)
         entries.append({"path": _path_name(path), "dtype": np.dtype(x.dtype).name, "shape": list(x.shape),
                         "pieces": pieces})
-    packed = np.zeros(offset if size is None else size, np.uint8)
+    packed = np.empty(offset if size is None else size, np.uint8)
+    end = 0
     for start, a in parts:
-        # np.asarray of a whole device array, then one copy: per-shard copies (strided into
-        # place) measured twice as slow on the CPU backend.
-        packed[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        packed[end:start] = 0  # only the alignment padding is zeroed: the arrays fill the rest
+        # One copy of each array into place, from a view of its device buffer where it has one
+        # on the host; else np.asarray of the whole array (per-shard copies, strided into
+        # place, measured twice as slow on the CPU backend).
+        host = _host_view(a)
+        packed[start:start + host.nbytes] = host.reshape(-1).view(np.uint8)
+        end = start + host.nbytes
+    packed[end:] = 0
     return packed, entries
+
+
+def _host_view(x) -> np.ndarray:
+    """`x` as a C-contiguous numpy array: without a copy when its values lie whole in one
+    host-memory buffer (an array on one CPU device, or replicated over CPU devices)."""
+    if isinstance(x, jax.Array):
+        if len(x.devices()) > 1 and x.is_fully_replicated:
+            x = x.addressable_data(0)
+        if len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu":
+            try:
+                return np.ascontiguousarray(np.from_dlpack(x))
+            except (BufferError, TypeError, ValueError, RuntimeError):  # a dtype or layout dlpack cannot share
+                pass
+    return np.ascontiguousarray(x)
 
 
 def unpack_leaf(path: str, want, found: list[tuple[dict, np.ndarray]], where: str) -> np.ndarray:
@@ -248,11 +270,12 @@ def unpack_leaf(path: str, want, found: list[tuple[dict, np.ndarray]], where: st
 
 
 def _crc32(path: Path) -> int:
-    crc = 0
+    # Over a memory map of the file: no copy of its bytes (half the CPU of reading it in chunks).
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+        if os.fstat(f.fileno()).st_size == 0:
+            return 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return zlib.crc32(m)
 
 
 def file_sums(item_dir: Path) -> dict[str, list[int]]:
@@ -265,11 +288,14 @@ def file_sums(item_dir: Path) -> dict[str, list[int]]:
     return out
 
 
-def _write_json(path: Path, obj) -> None:
-    """Write-then-rename, fsynced: a reader sees the old file, the new file, or none."""
+def _write_json(path: Path, obj, *, indent: int | None = 1) -> None:
+    """Write-then-rename, fsynced: a reader sees the old file, the new file, or none.
+    (indent=None: the C encoder; with an indent json encodes in Python, which for a
+    manifest's hundreds of layout entries cost several ms of the writer's CPU.)"""
     tmp = path.with_name(path.name + ".tmp")
+    text = json.dumps(obj, indent=indent, sort_keys=True, separators=None if indent else (",", ":"))
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -374,6 +400,7 @@ class _ItemWrite:
         self.path, self.rows = pending / name, rows
         self.error: BaseException | None = None
         self.seconds: float | None = None  # how long the write took, once done
+        self.cpu_seconds: float | None = None  # the CPU time of this thread's part of it
         self.done = threading.Event()
         # One orbax save at a time per process: its operation ids are process-global.
         self.thread = threading.Thread(target=self._write, args=(snapshot,), name=f"h2jax-ckpt-{name}",
@@ -382,6 +409,8 @@ class _ItemWrite:
 
     def _write(self, snapshot: dict) -> None:
         start = time.perf_counter()
+        cpu_start = time.thread_time()
+        _yield_cpu()
         try:
             import orbax.checkpoint as ocp
 
@@ -399,19 +428,59 @@ class _ItemWrite:
             me = jax.process_index()
             if me == 0:
                 _write_json(self.path.with_name(self.path.name + MANIFEST),
-                            {"processes": jax.process_count(), "groups": layout, "files": file_sums(self.path)})
+                            {"processes": jax.process_count(), "groups": layout, "files": file_sums(self.path)},
+                            indent=None)
             else:
-                _write_json(_layout_file(self.path, me), {"groups": layout})
+                _write_json(_layout_file(self.path, me), {"groups": layout}, indent=None)
         except BaseException as e:  # surfaced in the training thread by CheckpointWriter
             self.error = e
         finally:
             self.seconds = time.perf_counter() - start
+            self.cpu_seconds = time.thread_time() - cpu_start
             self.done.set()
 
     def wait(self) -> None:
         """Until written (or failed) and the thread has ended: no thread outlives its write."""
         self.done.wait()
         self.thread.join()
+
+
+# How much lower than training the checkpoint writer runs (Linux niceness, added to the
+# process's): the write takes the CPU training leaves idle and yields it back when training
+# wants it, instead of taking an equal share of the cores XLA's step runs on.
+BACKGROUND_NICENESS = 10
+_TENSORSTORE_THREADS = "ts_"  # tensorstore names its pool threads ts_pool_worker, ...
+
+
+def _yield_cpu() -> None:
+    """Run the calling thread (a checkpoint writer), every thread it starts (a thread inherits
+    its creator's niceness) and tensorstore's pool threads (which do orbax's I/O, created once
+    per process by whichever thread used tensorstore first, maybe a restore in the main
+    thread) at BACKGROUND_NICENESS below the process's main thread. On Linux niceness is per
+    thread; elsewhere, or where not permitted, nothing changes (the write is the same).
+    Lowering is one-way for an unprivileged process: a restore after a save in the same
+    process runs its tensorstore part at the lower priority too (it is only slower when the
+    CPU is contended)."""
+    if not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"):
+        return
+    try:
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)
+        tids = [threading.get_native_id()]
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().startswith(_TENSORSTORE_THREADS):
+                        tids.append(int(tid))
+            except OSError:  # the thread ended meanwhile
+                pass
+        for tid in tids:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                    os.setpriority(os.PRIO_PROCESS, tid, target)
+            except OSError:  # ended meanwhile, or not permitted
+                pass
+    except OSError:
+        pass
 
 
 def _layout_file(item: Path, process: int) -> Path:
