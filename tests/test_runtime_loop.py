@@ -126,6 +126,34 @@ def test_tracer_starts_a_compute_no_earlier_than_the_stages_previous_one_ended()
     ]
 
 
+def test_the_watcher_waits_on_a_marker_that_the_next_program_cannot_donate():
+    """The gradient accumulator a backward produces is donated by the next backward, which the
+    host may dispatch before the watcher reaches it: a donated array cannot be waited on, so the
+    watcher waits on a one-element copy taken at dispatch (ready once the compute finished)."""
+    consume = jax.jit(lambda acc: jax.tree.map(lambda a: a * 2, acc), donate_argnums=(0,))
+    tracer = StepTracer(clock=FakeClock(), wall=lambda: 0.0)
+    acc = {"w": jax.numpy.arange(6.0).reshape(2, 3), "b": jax.numpy.full(2, 7.0)}
+    tracer.compute(0, "B0", 0.0, acc)
+    out = consume(acc)  # donates both leaves
+    assert acc["b"].is_deleted() and acc["w"].is_deleted()
+    tracer.drain()
+    assert len(tracer.relative_events(0.0)) == 1
+    tracer.close()
+    assert np.asarray(out["b"]).tolist() == [14.0, 14.0]
+
+
+def test_the_ready_marker_is_the_smallest_outputs_first_element_and_outlives_donation():
+    from h2jax.runtime.tracing import _ready_marker
+
+    consume = jax.jit(lambda acc: jax.tree.map(lambda a: a * 2, acc), donate_argnums=(0,))
+    acc = {"w": jax.numpy.arange(6.0).reshape(2, 3), "b": jax.numpy.full(2, 7.0)}
+    marker = _ready_marker(acc)
+    consume(acc)
+    assert acc["b"].is_deleted() and not marker.is_deleted()
+    assert np.asarray(marker).tolist() == [7.0]
+    assert _ready_marker({"gone": acc["b"]}) is None and _ready_marker(None) is None
+
+
 def test_overlap_and_busy_fractions_from_events():
     events = [TraceEvent(0, "F0", 0.0, 2.0), TraceEvent(0, "F1", 3.0, 1.0), TraceEvent(1, "F0", 1.0, 1.5),
               TraceEvent(1, "RECV_ACT1", 2.5, 2.0, None, "comm")]

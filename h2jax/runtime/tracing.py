@@ -3,7 +3,11 @@
 Dispatch is asynchronous: when the driver returns from a stage's forward, the device may not
 have started it. So each compute is stamped twice: when the host dispatched it, and when its
 outputs became ready (a watcher thread per stage waits on them in dispatch order, which is the
-order the stage's devices run them). The compute ran from max(dispatch, the stage's previous
+order the stage's devices run them). The watcher does not wait on the outputs themselves: the
+stage's next program may donate them (the gradient accumulator) before the watcher gets there,
+and a donated array can no longer be waited on. At dispatch, one element of one output is
+copied by a tiny program that runs once the compute has finished, and the watcher waits on
+that copy, which nothing donates. The compute ran from max(dispatch, the stage's previous
 compute end) to that ready time. An emulated chip's compute is known exactly: its clock holds
 the emulated interval. Receives are slices on the "comm" lane from the moment the stage
 needed the message to the moment it had it (waiting, if any); sends are instants.
@@ -57,7 +61,7 @@ class StepTracer:
             thread = threading.Thread(target=self._watch, args=(stage,), daemon=True)
             thread.start()
             self._threads.append(thread)
-        self._queues[stage].put((name, dispatched, outputs, args))
+        self._queues[stage].put((name, dispatched, _ready_marker(outputs), args))
 
     def _watch(self, stage: int) -> None:
         import jax
@@ -68,8 +72,8 @@ class StepTracer:
             if item is None:
                 q.task_done()
                 return
-            name, dispatched, outputs, args = item
-            _wait_for(jax.tree.leaves(outputs))
+            name, dispatched, marker, args = item
+            _wait_for(jax.tree.leaves(marker))
             end = self.clock()
             start = max(dispatched, self._last_end.get(stage, dispatched))
             self._last_end[stage] = end
@@ -100,10 +104,34 @@ class StepTracer:
             )
 
 
+def _ready_marker(outputs):
+    """An array ready exactly when the program that produced `outputs` has finished and that
+    no later program donates: the first element of the first device's shard of the smallest
+    output, copied by a one-element program dispatched now (before anything can donate the
+    outputs). On a CPU that is one tiny dispatch per traced compute."""
+    import jax
+
+    leaves = [a for a in jax.tree.leaves(outputs) if isinstance(a, jax.Array) and not a.is_deleted()]
+    if not leaves:
+        return None
+    smallest = min(leaves, key=lambda a: a.size)
+    return _first_element(smallest.addressable_shards[0].data)
+
+
+def _first_element(x):
+    import jax
+
+    global _FIRST
+    if _FIRST is None:
+        _FIRST = jax.jit(lambda a: a.reshape(-1)[:1])
+    return _FIRST(x)
+
+
+_FIRST = None
+
+
 def _wait_for(arrays) -> None:
-    """Block until `arrays` are computed. An array the stage has since donated to its next
-    program (the gradient accumulator) is deleted; the stage's programs run in order, so the
-    one that consumed it started after this one ended, and the wait ends there."""
+    """Block until `arrays` are computed (a deleted one has nothing left to wait for)."""
     for a in arrays:
         try:
             if not a.is_deleted():
