@@ -330,3 +330,22 @@ def test_a_plan_the_model_reproduces_or_with_an_emulated_chip_is_not_rescaled():
     busy = measure(emulated, busy_trace(emulated, 4, 0.2, 0.01), cm.stage_costs(emulated, None))
     fitted, scale = fit_real_stages_to_step(emulated, busy, _chips(emulated))
     assert scale == 1.0 and fitted is busy
+
+
+def test_a_run_is_calibrated_to_its_untraced_steps(monkeypatch):
+    """calibrate(plan, steps) traces every other step and holds the plan to the untraced
+    steps' median (a trace slows a step down): the step row's measurement and the calibrated
+    model's step are that time, not the traced one."""
+    import h2jax.calibrate as calibration
+
+    stages = (Stage("cpu", Mesh(1, 1), (0, 2)), Stage("cpu-bf16", Mesh(1, 1), (2, 4)))
+    plan = Plan(TINY, 32, 4, 1, stages, model_name="tiny")
+    traced_step, untraced_step = 0.2, 0.17
+    monkeypatch.setattr(calibration, "traced_run",
+                        lambda plan, steps, **kw: (busy_trace(plan, steps, traced_step, 0.01), untraced_step))
+    rows, profile = calibrate(plan, 4)
+    step_row = next(r for r in rows if r.term == "step")
+    assert step_row.measured_s == untraced_step
+    assert cm.iteration_time(cm.stage_costs(plan, None, profile), 4) == pytest.approx(untraced_step, rel=1e-9)
+    _, from_trace = calibrate(plan, events=busy_trace(plan, 4, traced_step, 0.01))  # given events: the traced step
+    assert cm.iteration_time(cm.stage_costs(plan, None, from_trace), 4) == pytest.approx(traced_step, rel=1e-9)

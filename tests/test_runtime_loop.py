@@ -178,7 +178,8 @@ def test_a_measured_trace_holds_every_action_on_the_simulators_tracks(tmp_path, 
 
     plan = plan_from_dict(TWO_STAGES)
     path = tmp_path / "run.json"
-    result = run(plan, 2, dataset=TokenDataset(token_file, 16), trace=str(path))
+    # three steps, every other one traced: steps 0 and 2 (step 1 runs untraced)
+    result = run(plan, 3, dataset=TokenDataset(token_file, 16), trace=str(path), trace_every=2)
     events = read_trace(path)
     names = {(e.stage, e.name, e.lane) for e in events}
     for k in range(plan.n_micro):
@@ -187,7 +188,7 @@ def test_a_measured_trace_holds_every_action_on_the_simulators_tracks(tmp_path, 
         assert (0, f"SEND_ACT{k}", "comm") in names and (1, f"RECV_ACT{k}", "comm") in names
         assert (1, f"SEND_GRAD{k}", "comm") in names and (0, f"RECV_GRAD{k}", "comm") in names
     optimizer = [e for e in events if e.name == "optimizer"]
-    assert sorted(e.stage for e in optimizer) == [0, 0, 1, 1]  # one per stage per step
+    assert sorted(e.stage for e in optimizer) == [0, 0, 1, 1]  # one per stage per traced step
     computes = [e for e in events if e.lane == "compute"]
     assert len(computes) == 2 * (2 * plan.n_micro + plan.n_micro + 1 + 1)
     assert all(e.start_s >= 0 for e in events)
@@ -196,6 +197,19 @@ def test_a_measured_trace_holds_every_action_on_the_simulators_tracks(tmp_path, 
     assert trace["metadata"]["source"] == "measured"
     labels = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert labels == {"stage 0 (cpu)", "stage 1 (cpu)"}
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"trace_every": 0, "trace": "t.json"}, "trace_every must be an integer >= 1"),
+    ({"trace_every": 2.0, "trace": "t.json"}, "trace_every must be an integer >= 1"),
+    ({"trace_every": 2}, "trace_every > 1 needs a trace file"),
+    ({"trace_every": 2, "trace": "t.json", "log_dir": "logs"}, "trace_every > 1 needs a trace file and no log_dir"),
+])
+def test_trace_every_is_checked_before_anything_compiles(kwargs, says):
+    from h2jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        run(plan_from_dict(TWO_STAGES), 2, **kwargs)
 
 
 # ------------------------------------------------------------------ processes

@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("--plan", required=True, help="plan file (JSON)")
     p.add_argument("--steps", type=positive_int, default=6,
-                   help="optimizer steps to run (default 6; the first compiles and is not measured)")
+                   help="traced optimizer steps to run, each followed by an untraced one that times the step (default 6; the first compiles and is not measured)")
     p.add_argument("--cluster", help="cluster file whose per-group overrides the prediction uses (default: chip files)")
     p.add_argument("--profile", help="profile the prediction uses; the calibrated profile extends it")
     p.add_argument("--trace", help="calibrate from this measured trace (`h2jax run --trace`) instead of running")

@@ -28,7 +28,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "h2jax"
 
 MAX_REPLANS = 3
 PROFILE_REPEATS, PROFILE_WARMUP = 21, 3  # timed runs per shape (the median is kept), untimed first
-CALIBRATE_STEPS = 3  # steps of each plan's calibration run (the first compiles and is not measured)
+CALIBRATE_STEPS = 3  # traced steps of each plan's calibration run (the first compiles; each is followed by an untraced one)
 
 
 def calibrated_step_time(plan, cluster, profile) -> float:
@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
                                  f"{count(plan.n_micro, 'micro-batch')} of {plan.micro_batch} x {plan.seq_len} tokens, {plan.schedule}, "
                                  f"bubble {plan.predicted['bubble_fraction']:.1%}"))
         try:
-            console.print(f"   calibrating the cost model on a {CALIBRATE_STEPS}-step traced run of the plan "
+            console.print(f"   calibrating the cost model on a {2 * CALIBRATE_STEPS}-step run of the plan, every other step traced "
                           "(h2jax calibrate)...")
             predicted_s = calibrated_step_time(plan, planning, profile)
             if attempt == 0:
