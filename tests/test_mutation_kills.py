@@ -419,6 +419,52 @@ def test_kills_model_layer_names_and_initial_scale():
     assert not hasattr(middle, "layer_000")
 
 
+def test_kills_model_blocked_kernel_takes_a_precision_given_as_jax_lax_precision():
+    """The stage's precision reaches the blocked kernel as a default-precision name: a
+    jax.lax.Precision is translated (jax.default_matmul_precision refuses the enum)."""
+    from h2jax.model import causal_attention
+
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    kv = jax.random.normal(jax.random.key(1), (1, 8, 1, 4))
+    highest = jax.lax.Precision.HIGHEST
+    np.testing.assert_allclose(np.asarray(causal_attention(q, kv, kv, kernel="blocked", precision=highest)),
+                               np.asarray(causal_attention(q, kv, kv, kernel="xla", precision=highest)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_kills_model_tied_embeddings_are_refused_naming_the_field():
+    import dataclasses
+
+    from h2jax.config import PRESETS, ConfigError
+    from h2jax.model import StageModel
+
+    tied = dataclasses.replace(PRESETS["tiny"], tie_embeddings=True)
+    with pytest.raises(ConfigError) as e:
+        StageModel(tied, 0, tied.n_layers, 0)
+    assert str(e.value).startswith("model.tie_embeddings: the planner prices tied embeddings")
+
+
+def test_kills_model_initialization_keys_are_the_documented_ones():
+    """model.py's contract: layer i from fold_in(seed, i), the embedding from
+    fold_in(seed, n_layers), the final norm and head from fold_in(seed, n_layers + 1), so a
+    seed gives the same parameters under every stage split and every version."""
+    from h2jax.config import ModelConfig
+    from h2jax.model import Block, Embed, Head, StageModel
+
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32)
+    root = jax.random.key(5)
+    model = StageModel(cfg, 0, 2, seed=5)
+    expected = {
+        "embed": Embed(cfg, jax.random.fold_in(root, 2)).table_VD[...],
+        "layer_001": Block(cfg, jax.random.fold_in(root, 1)).mlp.w_up_DF[...],
+        "head": Head(cfg, jax.random.fold_in(root, 3)).w_DV[...],
+    }
+    got = {"embed": model.embed.table_VD[...], "layer_001": model.layer_001.mlp.w_up_DF[...],
+           "head": model.head.w_DV[...]}
+    for name in expected:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(expected[name]), err_msg=name)
+
+
 # ------------------------------------------------------------------------------ planner/memory_model.py
 # Every figure below is the module docstring's formula evaluated by hand for one small model:
 # d=16, h=4 heads, g=2 kv heads, e=4, F=24, V=64; s=8, micro-batch 4 over data=2 -> n=16 tokens
