@@ -76,7 +76,7 @@ RUNS = {
     "h2jax launch --plan plan.json --dry-run": Skip("needs a plan with hosts (tests/test_launch.py runs --dry-run)"),
     "h2jax launch --plan plan.json --dry-run --launcher openmpi": Skip("as above"),
     "h2jax launch --plan plan.json -- h2jax run --plan plan.json --steps 1000 --json": Skip("needs the plan's hosts"),
-    "h2jax profile --chips emu-fast,emu-slow --model tiny --seq-len 16 --tensor 1 --micro-batch 1,2 --out prof.json": None,
+    "h2jax profile --chips emu-fast,emu-slow --model tiny --seq-len 16 --tensor 1 --micro-batch 1,2 --max-spread 2 --out prof.json": None,
     "h2jax plan --cluster plans/cluster-emu-2type.toml --model tiny --seq-len 16 --global-batch 8 --profile prof.json": None,
     "h2jax align --chips cpu,cpu-bf16 --steps 300": "h2jax align --chips cpu,cpu-bf16 --steps 10",
     "python examples/mixed_gpu_cpu.py": None,
