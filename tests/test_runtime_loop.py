@@ -126,10 +126,15 @@ def test_tracer_starts_a_compute_no_earlier_than_the_stages_previous_one_ended()
     ]
 
 
-def test_the_watcher_waits_on_a_marker_that_the_next_program_cannot_donate():
+def test_the_watcher_waits_on_a_marker_that_the_next_program_cannot_donate(monkeypatch):
     """The gradient accumulator a backward produces is donated by the next backward, which the
     host may dispatch before the watcher reaches it: a donated array cannot be waited on, so the
     watcher waits on a one-element copy taken at dispatch (ready once the compute finished)."""
+    from h2jax.runtime import tracing
+
+    waited_on = []
+    real_wait = tracing._wait_for
+    monkeypatch.setattr(tracing, "_wait_for", lambda arrays: (waited_on.append(list(arrays)), real_wait(arrays)))
     consume = jax.jit(lambda acc: jax.tree.map(lambda a: a * 2, acc), donate_argnums=(0,))
     tracer = StepTracer(clock=FakeClock(), wall=lambda: 0.0)
     acc = {"w": jax.numpy.arange(6.0).reshape(2, 3), "b": jax.numpy.full(2, 7.0)}
@@ -140,6 +145,8 @@ def test_the_watcher_waits_on_a_marker_that_the_next_program_cannot_donate():
     assert len(tracer.relative_events(0.0)) == 1
     tracer.close()
     assert np.asarray(out["b"]).tolist() == [14.0, 14.0]
+    (marker,), = waited_on  # one array, the marker: never a leaf the next program donated
+    assert not marker.is_deleted() and np.asarray(marker).tolist() == [7.0]
 
 
 def test_the_ready_marker_is_the_smallest_outputs_first_element_and_outlives_donation():
