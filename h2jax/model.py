@@ -17,8 +17,27 @@ import contextlib
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from h2jax.config import ATTENTION_BLOCK, ATTENTION_KERNELS, ConfigError, ModelConfig
+from h2jax.residuals import after, join, split_off
+
+
+# What a block keeps for its backward, by name (`saved`), as the memory model counts it
+# (Korthikanti et al. 2022, no dropout): both norms' inputs and outputs, the q/k/v projections,
+# the attention output, the MLP's gate, up and gated product, and the attention probabilities
+# (explicit XLA kernel only). Everything else (rsqrt, rotary, masks, SiLU's sigmoid) is
+# recomputed in the backward from these; without a policy JAX would keep about twice as much.
+SAVED_NONE = ("norm_in", "norm_out", "qkv", "attn_out", "mlp", "probs")
+# Selective recomputation keeps the same but the s x s probabilities, recomputing the attention
+# core: most of the memory saving of full recompute for a fraction of its compute.
+SAVED_SELECTIVE = tuple(n for n in SAVED_NONE if n != "probs")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def saved(x: jax.Array, name: str) -> jax.Array:
+    """x, named for the recompute policies (SAVED_NONE)."""
+    return checkpoint_name(x, name)
 
 
 def layer_name(i: int) -> str:
@@ -62,7 +81,7 @@ def _xla_attention(q_BSHE, k_BSKE, v_BSKE, precision) -> jax.Array:
     ).astype(q_BSHE.dtype)
     causal_ST = jnp.tril(jnp.ones((S, S), dtype=bool))
     logits_BKGST = jnp.where(causal_ST, logits_BKGST.astype(jnp.float32), -jnp.inf)
-    probs_BKGST = jax.nn.softmax(logits_BKGST, axis=-1).astype(q_BSHE.dtype)
+    probs_BKGST = saved(jax.nn.softmax(logits_BKGST, axis=-1).astype(q_BSHE.dtype), "probs")
     out_BSKGE = jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BSKE, precision=precision)
     return out_BSKGE.reshape(B, S, H, E)
 
@@ -125,10 +144,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
-        q_BSHE = rotary(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), self.theta)
-        k_BSKE = rotary(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), self.theta)
-        v_BSKE = jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...], precision=p)
-        out_BSHE = causal_attention(q_BSHE, k_BSKE, v_BSKE, self.kernel, p)
+        q_BSHE = rotary(saved(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), "qkv"), self.theta)
+        k_BSKE = rotary(saved(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), "qkv"), self.theta)
+        v_BSKE = saved(jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...], precision=p), "qkv")
+        out_BSHE = saved(causal_attention(q_BSHE, k_BSKE, v_BSKE, self.kernel, p), "attn_out")
         return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...], precision=p)
 
 
@@ -144,9 +163,10 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
-        gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, self.w_gate_DF[...], precision=p)
-        up_BSF = jnp.einsum("bsd,df->bsf", x_BSD, self.w_up_DF[...], precision=p)
-        return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, self.w_down_FD[...], precision=p)
+        gate_BSF = saved(jnp.einsum("bsd,df->bsf", x_BSD, self.w_gate_DF[...], precision=p), "mlp")
+        up_BSF = saved(jnp.einsum("bsd,df->bsf", x_BSD, self.w_up_DF[...], precision=p), "mlp")
+        hidden_BSF = saved(jax.nn.silu(gate_BSF) * up_BSF, "mlp")
+        return jnp.einsum("bsf,fd->bsd", hidden_BSF, self.w_down_FD[...], precision=p)
 
 
 class Block(nnx.Module):
@@ -158,8 +178,9 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(cfg, km, dtype, precision)
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
-        return x_BSD + self.mlp(self.mlp_norm(x_BSD))
+        x_BSD = x_BSD + self.attn(saved(self.attn_norm(x_BSD), "norm_out"))
+        x_BSD = saved(x_BSD, "norm_in")
+        return x_BSD + self.mlp(saved(self.mlp_norm(x_BSD), "norm_out"))
 
 
 class Embed(nnx.Module):
@@ -192,6 +213,59 @@ def cross_entropy(logits_BSV: jax.Array, labels_BS: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(logp_BSV, labels_BS[..., None], axis=-1))
 
 
+def block_runner(recompute: str):
+    """`run(block, x)` for a recompute mode: the block as a checkpoint keeping the values
+    SAVED_NONE ("none") or SAVED_SELECTIVE ("selective") name, or only its input ("full");
+    everything else is recomputed inside the block's own backward (`checkpointed`)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute = {recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
+    policies = jax.checkpoint_policies
+    return checkpointed({
+        "none": policies.save_only_these_names(*SAVED_NONE),
+        "selective": policies.save_only_these_names(*SAVED_SELECTIVE),
+        "full": policies.nothing_saveable,
+    }[recompute])
+
+
+def checkpointed(policy):
+    """`run(block, x)`: block(x), keeping for the backward what `policy` saves (and the block's
+    parameters, which are not copied); the backward recomputes the rest just before it
+    differentiates the block, so one block's recomputed values are alive at a time.
+
+    `jax.checkpoint` alone means the same, but XLA:CPU drops its optimization barrier before
+    common subexpression elimination, which then merges the recomputation back into the
+    forward, or runs every block's recomputation first: no memory saved. Here the saved values
+    are tied to the incoming gradient (`after`), so the recomputation can neither be merged
+    with the forward nor run before that gradient exists, on every backend."""
+
+    def run(block: nnx.Module, x: jax.Array) -> jax.Array:
+        graphdef, state = nnx.split(block)
+
+        def apply(s, h):
+            return nnx.merge(graphdef, s)(h)
+
+        layout = []
+
+        @jax.custom_vjp
+        def checkpoint(s, h):
+            return apply(s, h)
+
+        def forward(s, h):
+            out, vjp = jax.vjp(jax.checkpoint(apply, policy=policy), s, h)
+            kept, where = split_off(vjp, s)
+            layout.append(where)
+            return out, (s, kept)
+
+        def backward(saved, g):
+            s, kept = saved  # the parameters too: cast to the compute dtype here, not up front
+            return join([after(k, g) for k in kept], layout[-1], jax.tree.map(lambda p: after(p, g), s))(g)
+
+        checkpoint.defvjp(forward, backward)
+        return checkpoint(state, x)
+
+    return run
+
+
 class StageModel(nnx.Module):
     """Layers [start, end) of the model, plus the embedding on the first stage and the final
     norm, head and loss on the last. The whole model is the stage [0, n_layers)."""
@@ -205,11 +279,12 @@ class StageModel(nnx.Module):
         *,
         dtype=jnp.float32,
         precision=None,
-        remat_policy=None,
+        recompute: str = "none",
         attention: str = "xla",
     ):
         """`attention`: the attention kernel every block runs (config.ATTENTION_KERNELS);
-        parameters and the function computed do not depend on it."""
+        `recompute`: what each block keeps for the backward (`block_runner`). Parameters and
+        the function computed depend on neither."""
         if cfg.tie_embeddings:
             raise ConfigError(
                 "model.tie_embeddings: the planner prices tied embeddings, but this model keeps a "
@@ -217,8 +292,7 @@ class StageModel(nnx.Module):
                 "train with tie_embeddings false"
             )
         root = jax.random.key(seed)
-        # Selective recomputation: each block saves only what `remat_policy` allows.
-        self.remat_policy = remat_policy
+        self.run_block = block_runner(recompute)
         self.is_first, self.is_last = start == 0, end == cfg.n_layers
         self.layer_names = [layer_name(i) for i in range(start, end)]
         if self.is_first:
@@ -232,11 +306,8 @@ class StageModel(nnx.Module):
         """First stage: x is tokens [B, S]; otherwise hidden [B, S, D]. Last stage returns the
         mean loss given labels, otherwise the hidden state [B, S, D]."""
         x_BSD = self.embed(x) if self.is_first else x
-        run_block = lambda block, x: block(x)
-        if self.remat_policy is not None:
-            run_block = nnx.remat(run_block, policy=self.remat_policy)
         for name in self.layer_names:
-            x_BSD = run_block(getattr(self, name), x_BSD)
+            x_BSD = self.run_block(getattr(self, name), x_BSD)
         if not self.is_last:
             return x_BSD
         return cross_entropy(self.head(x_BSD), labels_BS)

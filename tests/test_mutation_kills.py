@@ -242,6 +242,11 @@ def test_kills_memory_figures_from_the_analyses_by_hand():
     # without a separate forward (a fused step) the largest step's working memory counts as is
     m3 = mem.StageMemory.of(_executor(), update, [backward], (), 0)
     assert (m3.working_bytes, m3.per_micro_batch_bytes, m3.in_flight) == (405, 0, 0)
+    # the update runs when nothing is in flight: it counts instead of the steps, when larger
+    assert (m.update_bytes, m3.needed_bytes) == (57, 1000 + 405)
+    big_update = _Compiled(_analysis(arg=1000, out=900, alias=900, temp=5000, code=7))
+    m4 = mem.StageMemory.of(_executor(), big_update, [forward, backward], _held(), 3, forward)
+    assert m4.needed_bytes == 1000 + 5007
 
 
 def test_kills_memory_deferred_weight_gradients_by_hand():
@@ -251,7 +256,7 @@ def test_kills_memory_deferred_weight_gradients_by_hand():
     step = _Compiled(_analysis(out=10, temp=20, code=0))
     m = mem.StageMemory.of(_executor(), update, [step], (), 0, deferred=2, deferred_held=_held())
     assert (m.deferred, m.per_deferred_bytes) == (2, 1024)
-    assert m.needed_bytes == 1000 + 2 * 1024 + 57
+    assert m.needed_bytes == 1000 + 2 * 1024 + 30  # the step's working memory, not the update's
     plain = mem.StageMemory.of(_executor(), update, [step], (), 0)
     assert (plain.deferred, plain.per_deferred_bytes) == (0, 0)
     over = mem.StageMemory(persistent_bytes=2**29, per_micro_batch_bytes=0, in_flight=0, working_bytes=0,
@@ -351,27 +356,31 @@ def test_kills_model_every_matmul_takes_the_stages_precision():
     assert all(p == (highest, highest) for p in precisions), precisions
 
 
-def test_kills_model_selective_recompute_wraps_each_block_with_the_policy(monkeypatch):
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_kills_model_each_block_keeps_exactly_what_the_memory_model_counts(mode):
+    """A block run by block_runner(mode) keeps for its backward exactly A(n) of the memory
+    model (the named values, or only its input under "full"), and no copy of its parameters."""
     from flax import nnx
 
-    from h2jax import model as model_module
     from h2jax.config import ModelConfig
+    from h2jax.model import Block, block_runner
+    from h2jax.planner import memory_model as mm
+    from h2jax.residuals import split_off
 
-    seen = []
-    real_remat = nnx.remat
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+    block = Block(cfg, jax.random.key(0))
+    graphdef, state = nnx.split(block)
+    x = jnp.ones((2, 8, 16))
+    kept_bytes = []
 
-    def spy(fn, **kw):
-        seen.append(kw.get("policy"))
-        return real_remat(fn, **kw)
+    def forward(s, h):
+        out, vjp = jax.vjp(lambda s, h: block_runner(mode)(nnx.merge(graphdef, s), h), s, h)
+        kept, _ = split_off(vjp, s)
+        kept_bytes.append(sum(k.size * k.dtype.itemsize for k in kept))
+        return out
 
-    monkeypatch.setattr(model_module.nnx, "remat", spy)
-    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32)
-    policy = jax.checkpoint_policies.nothing_saveable
-    tokens = np.zeros((1, 8), np.int32)
-    plain = model_module.StageModel(cfg, 0, 2, seed=0)
-    remat = model_module.StageModel(cfg, 0, 2, seed=0, remat_policy=policy)
-    np.testing.assert_allclose(float(remat(tokens, tokens)), float(plain(tokens, tokens)), rtol=1e-6)
-    assert seen == [policy]  # one wrapper, around every block, with the stage's policy
+    jax.eval_shape(forward, state, x)
+    assert kept_bytes == [mm.layer_activation_bytes(cfg, 8, 16, 1, mode, 4, "xla")]
 
 
 def test_kills_model_every_parameter_has_the_stage_dtype_and_its_logical_axes():
@@ -495,20 +504,24 @@ def test_kills_planner_memory_terms_of_a_first_and_last_stage_by_hand():
     assert t.params_end == (64 * 16 + 64 * 16 + 16) / 2 * per_param == 12384
     # A(n), none, explicit attention: n*a*(4d + ((h+2g)e + d + 3F + h*s)/T) = 32 * (64 + 152/2)
     assert t.layer_activation == 16 * 2 * (4 * 16 + ((4 + 4) * 4 + 16 + 72 + 4 * 8) / 2) == 4480
-    assert t.working == 16 * 64 / 2 * 4 * 2 == 4096  # f32 logits and their gradient
+    # one layer's backward: its activations' gradients (f32 on XLA:CPU, twice the bf16 A(n))
+    # and its weight gradient (f32 too), + f32 logits and their gradient
+    assert t.working == 2 * 4480 + 1952 / 2 * 4 + 16 * 64 / 2 * 4 * 2 == 16960
+    # each micro-batch in flight keeps the f32 logits, log-probabilities and final norm output
+    assert t.end_activation == 16 * 64 / 2 * 4 * 2 + 16 * 16 * 2 == 4608
     assert t.reserve == pytest.approx(0.1 * _GIB) and t.capacity == _GIB
     assert t.in_flight == 3 and t.deferred == 0 and t.layer_deferred == 16 * 16 * 2
     assert t.per_layer == 11712 + 3 * 4480
-    assert t.total_bytes(2) == pytest.approx(2 * (11712 + 3 * 4480) + 12384 + 4096 + 0.1 * _GIB)
-    assert t.static_bytes(2) == int(2 * 11712 + 12384 + 4096 + 0.1 * _GIB)
-    assert t.activation_bytes(2) == 2 * 4480
-    room = _GIB - 12384 - 4096 - 0.1 * _GIB
+    assert t.total_bytes(2) == pytest.approx(2 * (11712 + 3 * 4480) + 12384 + 3 * 4608 + 16960 + 0.1 * _GIB)
+    assert t.static_bytes(2) == int(2 * 11712 + 12384 + 16960 + 0.1 * _GIB)
+    assert t.activation_bytes(2) == 2 * 4480 + 4608
+    room = _GIB - 12384 - 3 * 4608 - 16960 - 0.1 * _GIB
     assert t.max_layers() == math.floor(room / (11712 + 3 * 4480))
     b = t.breakdown(2)
     assert b["params_grads_optimizer"] == pytest.approx((2 * 11712 + 12384) / _GIB)
-    assert b["activations"] == pytest.approx(3 * 4480 * 2 / _GIB)
+    assert b["activations"] == pytest.approx(3 * (4480 * 2 + 4608) / _GIB)
     assert b["deferred_weight_gradients"] == 0
-    assert b["working"] == pytest.approx(4096 / _GIB) and b["reserve"] == pytest.approx(0.1)
+    assert b["working"] == pytest.approx(16960 / _GIB) and b["reserve"] == pytest.approx(0.1)
     assert b["total"] == pytest.approx(t.total_bytes(2) / _GIB) and b["capacity"] == 1.0
 
 
@@ -516,23 +529,24 @@ def test_kills_planner_memory_middle_stage_selective_sgd_by_hand():
     t = _terms("selective", first=False, last=False, in_flight=1, optimizer="sgd")
     assert t.layer_static == 1952 / 2 * (4 + 4 + 0) and t.params_end == 0
     assert t.layer_activation == 16 * 2 * (64 + (32 + 16 + 72) / 2) == 3968  # the attention core recomputed
-    assert t.working == 4480  # the layer being recomputed keeps what "none" keeps
+    assert t.working == 8960 + 3904 + 8960  # the backward, + the recomputed layer's activations (f32 here)
     first_only = _terms("full", first=True, last=False, in_flight=1)
     assert first_only.params_end == 64 * 16 / 2 * 12 and first_only.layer_activation == 16 * 2 * 16
     last_only = _terms("full", first=False, last=True, in_flight=1, shard_optimizer=False)
     assert last_only.params_end == (64 * 16 + 16) / 2 * (4 + 4 + 8)
-    assert last_only.working == 4480 + 4096
+    assert last_only.working == 8960 + 3904 + 8960 + 4096
 
 
 def test_kills_planner_memory_attention_kernels_by_hand():
     blocked = _terms(chip=_mm_chip("cpu", "fused"))  # fused on a CPU: the blocked XLA kernel
     assert blocked.layer_activation == 3968  # no scores kept
-    assert blocked.working == 16 * min(512, 8) * 4 * 8 / 2 + 4096  # one block's f32 scores + probs, + logits
+    # one block's f32 scores + probs, the layer's backward (f32 on a CPU), + logits
+    assert blocked.working == 16 * min(512, 8) * 4 * 8 / 2 + 2 * 3968 + 3904 + 4096
     blocked_full = _terms("full", chip=_mm_chip("cpu", "fused"), last=False)
-    assert blocked_full.working == 2048 + 3968
+    assert blocked_full.working == 2048 + 2 * 3968 + 3904 + 2 * 3968
     cudnn = _terms(chip=_mm_chip("cuda", "fused"))
     assert cudnn.layer_activation == 3968 + 16 * 4 * 4 / 2  # one f32 log-sum-exp per head and token
-    assert cudnn.working == 4096
+    assert cudnn.working == 4096 + 1952 / 2 * 2 + 4096  # bf16 on a GPU: the layer's backward + logits
     assert mm.attention_working_bytes(_MM_CFG, 8, 16, 2, "cudnn") == 0.0
     assert mm.layer_activation_bytes(_MM_CFG, 8, 16, 2, "full", 2, "cudnn") == 512
 

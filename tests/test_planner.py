@@ -166,9 +166,13 @@ def test_memory_terms_count_params_grads_optimizer_and_in_flight():
     act = mm.layer_activation_bytes(TINY, 16, 4 / 2 * 16, 2, "none", 4)
     assert t.layer_activation == act
     logits = (4 / 2 * 16) * 256 / 2 * 4 * 2
-    assert t.working == logits
+    backward = act + TINY.layer_param_count() / 2 * 4  # one layer's backward, its weight gradient
+    assert t.working == backward + logits
+    head = logits + (4 / 2 * 16) * 64 * 4  # per micro-batch: logits, log-probabilities, norm output
+    assert t.end_activation == head
     assert t.reserve == 0.1 * 2 * 1024**3
-    assert t.total_bytes(3) == pytest.approx((t.layer_static + 3 * act) * 3 + t.params_end + logits + t.reserve)
+    assert t.total_bytes(3) == pytest.approx(
+        (t.layer_static + 3 * act) * 3 + t.params_end + 3 * head + backward + logits + t.reserve)
     unsharded = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", False, False, 3, shard_optimizer=False)
     assert unsharded.layer_static == TINY.layer_param_count() / 2 * 16
 

@@ -36,7 +36,7 @@ def boundary_gib() -> float:
     """The least memory (GiB, to the float) in which the two layers fit."""
     mem = one_stage_memory(1.0)
     fixed_share = 1.0 - mem.reserve / mem.capacity  # the reserve is a fraction of the capacity
-    g = (mem.per_layer * 2 + mem.params_end + mem.working) / fixed_share / GIB
+    g = (mem.total_bytes(2) - mem.reserve) / fixed_share / GIB
     while not one_stage_memory(g).fits(2):
         g = np.nextafter(g, math.inf)
     while one_stage_memory(np.nextafter(g, -math.inf)).fits(2):
@@ -49,7 +49,7 @@ def test_a_stage_a_byte_over_capacity_is_never_planned():
     short = float(np.nextafter(g, -math.inf))
     over, exact = one_stage_memory(short), one_stage_memory(g)
     assert 0 < over.total_bytes(2) - over.capacity <= 1.0  # at most a byte over
-    room = over.capacity - over.params_end - over.working - over.reserve
+    room = over.capacity - (over.total_bytes(0))
     assert math.floor(room / over.per_layer + 1e-9) == 2  # the old cap let it through
     assert over.max_layers() == 1 and not over.fits(2)
     assert exact.max_layers() == 2 and exact.fits(2)

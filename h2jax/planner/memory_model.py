@@ -10,9 +10,14 @@ Per device of a stage with l layers on a (D, T) mesh, micro-batch b, n = (b/D)*s
     deferred    = deferred * l * n*d*a                   split-backward schedules (ZB-H1): each micro-batch
                                                          between its B and its W keeps every layer's output
                                                          gradient for the W
-    working     = one layer's un-recomputed activations if the stage recomputes (the layer being
-                  recomputed during the backward), + f32 logits and their gradient, n*V/T*4*2,
-                  on the last stage
+    head        = in_flight * (n*V/T*4*2 + n*d*a)        last stage: each micro-batch in flight keeps its
+                                                         f32 logits and log-probabilities and the final
+                                                         norm's output
+    working     = one layer's backward: the gradients of its activations, A_none(n), and its
+                  weight gradient in the compute dtype, P_layer/T*a (`layer_backward_bytes`;
+                  a = 4 on XLA:CPU, which computes 16-bit math in f32);
+                  + the layer's recomputed activations, A_none(n), if the stage recomputes;
+                  + f32 logits and their gradient, n*V/T*4*2, on the last stage
     reserve     = RESERVE_FRACTION of the chip's memory (runtime, XLA workspace, fragmentation)
 
 A(n), the bytes one layer keeps from forward to backward per device, adapts Korthikanti et
@@ -80,6 +85,13 @@ def layer_activation_bytes(
     return kept
 
 
+def layer_backward_bytes(model: ModelConfig, tensor: int, a: int, layer_none: float) -> float:
+    """One layer's backward, beyond what it keeps: the gradients of its activations (as large
+    as the activations it keeps without recomputation) and its weight gradient in the
+    compute dtype, before it is added to the f32 accumulator."""
+    return layer_none + model.layer_param_count() / tensor * a
+
+
 def attention_working_bytes(model: ModelConfig, seq_len: int, tokens: float, tensor: int, attention: str) -> float:
     """Transient bytes of the attention kernel beyond what a layer keeps: one block's f32 scores
     and probabilities for the blocked kernel, else 0 (see the module docstring)."""
@@ -101,6 +113,7 @@ class StageMemoryTerms:
     capacity: float  # the chip's usable memory
     deferred: int = 0  # micro-batches waiting for their weight gradient (W) at peak
     layer_deferred: float = 0.0  # one layer's output gradient kept for the W, one micro-batch
+    end_activation: float = 0.0  # the head's and loss's residuals, one micro-batch (last stage)
 
     @property
     def per_layer(self) -> float:
@@ -108,14 +121,19 @@ class StageMemoryTerms:
         return self.layer_static + self.in_flight * self.layer_activation + self.deferred * self.layer_deferred
 
     def activation_bytes(self, n_layers: int) -> int:
-        return int(self.layer_activation * n_layers)
+        """One micro-batch's residuals: its layers' and, on the last stage, the head's."""
+        return int(self.layer_activation * n_layers + self.end_activation)
 
     def static_bytes(self, n_layers: int) -> int:
         """Everything but the in-flight activations (working buffers and reserve included)."""
         return int(self.layer_static * n_layers + self.params_end + self.working + self.reserve)
 
     def total_bytes(self, n_layers: int) -> float:
-        return self.per_layer * n_layers + self.params_end + self.working + self.reserve
+        return self.per_layer * n_layers + self._fixed()
+
+    def _fixed(self):
+        """The bytes that do not grow with the stage's layers."""
+        return self.params_end + self.in_flight * self.end_activation + self.working + self.reserve
 
     def fits(self, n_layers):
         """THE fit test, the one the search, the exhaustive reference and `predict` share: the
@@ -126,7 +144,7 @@ class StageMemoryTerms:
         """Most layers that pass `fits` (may be <= 0: not even one layer fits); elementwise
         (an int64 array) when `in_flight` is an array, e.g. one value per pipeline position.
         The quotient room / per_layer is within one of it; `fits` decides the last layer."""
-        room = self.capacity - self.params_end - self.working - self.reserve
+        room = self.capacity - self._fixed()
         n = np.floor(np.maximum(room, 0.0) / self.per_layer)
         for _ in range(2):
             n = np.where(self.fits(n), n, n - 1)
@@ -140,7 +158,7 @@ class StageMemoryTerms:
         static = self.layer_static * n_layers + self.params_end
         return {
             "params_grads_optimizer": static / GIB,
-            "activations": self.in_flight * self.layer_activation * n_layers / GIB,
+            "activations": self.in_flight * (self.layer_activation * n_layers + self.end_activation) / GIB,
             "deferred_weight_gradients": self.deferred * self.layer_deferred * n_layers / GIB,
             "working": self.working / GIB,
             "reserve": self.reserve / GIB,
@@ -179,9 +197,14 @@ def stage_memory_terms(
         layer_act = float(measured_activation)
     else:
         layer_act = layer_activation_bytes(model, seq_len, tokens, tensor, recompute, a, kernel)
-    working = attention_working_bytes(model, seq_len, tokens, tensor, kernel)
-    if recompute != "none":
-        working += layer_activation_bytes(model, seq_len, tokens, tensor, "none", a, kernel)
+    # XLA:CPU has no 16-bit arithmetic: it computes bf16/f16 math in f32, so a backward's
+    # temporaries there take 4 bytes a value whatever the compute dtype (measured).
+    w = 4 if chip.platform == "cpu" else a
+    layer_none = layer_activation_bytes(model, seq_len, tokens, tensor, "none", w, kernel)
+    working = attention_working_bytes(model, seq_len, tokens, tensor, kernel) + layer_backward_bytes(
+        model, tensor, w, layer_none)
+    if recompute != "none":  # the recomputed layer's activations, beside their gradients
+        working += layer_none
     if last:
         working += tokens * model.vocab_size / tensor * 4 * 2
     capacity = chip.usable_memory_gib * GIB
@@ -195,4 +218,5 @@ def stage_memory_terms(
         capacity=capacity,
         deferred=deferred,
         layer_deferred=tokens * model.d_model * a,
+        end_activation=(tokens * model.vocab_size / tensor * 4 * 2 + tokens * model.d_model * a) if last else 0.0,
     )

@@ -11,8 +11,13 @@ stage's mesh). What one device must hold at the stage's peak:
                  residuals the forward returns, or under full recompute the saved input
     deferred W   under a split backward (ZB-H1), the schedule's most micro-batches between
                  their B and their W, times the per-piece output gradients B hands to W
-    working      the largest step's scratch (temp) plus the fresh outputs it writes
-                 (outputs that alias donated inputs are not new)
+    working      the largest micro-batch step's scratch (temp) plus the fresh outputs it
+                 writes (outputs that alias donated inputs are not new)
+    update       the optimizer update's scratch and fresh outputs: it runs once the last
+                 backward is done, when nothing is in flight, so it takes the place of the
+                 three terms above, not their sum
+
+    needed = persistent + max(in flight + deferred W + working, update)
 
 A stage that needs more than its chip's capacity (`[emulate] memory_gib` for an emulated
 chip, else `memory_gib`) fails before running, naming the stage and both byte counts.
@@ -65,11 +70,16 @@ class StageMemory:
     capacity_bytes: int
     deferred: int = 0
     per_deferred_bytes: int = 0
+    update_bytes: int = 0
+
+    @property
+    def step_bytes(self) -> int:
+        """Beyond the persistent state, at the micro-batch steps' peak."""
+        return self.in_flight * self.per_micro_batch_bytes + self.deferred * self.per_deferred_bytes + self.working_bytes
 
     @property
     def needed_bytes(self) -> int:
-        return (self.persistent_bytes + self.in_flight * self.per_micro_batch_bytes
-                + self.deferred * self.per_deferred_bytes + self.working_bytes)
+        return self.persistent_bytes + max(self.step_bytes, self.update_bytes)
 
     @classmethod
     def of(cls, executor, update, steps, held, in_flight: int, forward=None, deferred: int = 0,
@@ -83,7 +93,7 @@ class StageMemory:
         if any(a is None for a in analyses):
             return None
         held_bytes = per_device_bytes(held)
-        working = [_working(a) for a in analyses]
+        working = [_working(a) for a in analyses[1:]] or [0]
         if forward is not None:  # its outputs include the residuals counted as in flight
             f = forward.memory_analysis()
             working.append(max(_working(f) - held_bytes, f.temp_size_in_bytes))
@@ -96,6 +106,7 @@ class StageMemory:
             capacity_bytes=int(executor.chip.usable_memory_gib * GIB),
             deferred=deferred,
             per_deferred_bytes=per_device_bytes(deferred_held),
+            update_bytes=_working(analyses[0]),
         )
 
     def check(self, executor) -> None:
@@ -114,7 +125,9 @@ class StageMemory:
             f"{self.persistent_bytes:,} B + {self.in_flight} micro-batch(es) in flight x "
             f"{self.per_micro_batch_bytes:,} B + "
             + (f"{self.deferred} deferred weight gradient(s) x {self.per_deferred_bytes:,} B + " if self.deferred else "")
-            + f"working memory {self.working_bytes:,} B. "
+            + f"working memory {self.working_bytes:,} B"
+            + (f" (the optimizer update's {self.update_bytes:,} B, larger, counted instead)"
+               if self.update_bytes > self.step_bytes else "") + ". "
             "Give the stage fewer layers, recompute=\"full\", a smaller micro_batch, more data "
             "or tensor parallelism, or a chip with more memory",
             executor.index, chip.name, self.needed_bytes, self.capacity_bytes,

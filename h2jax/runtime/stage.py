@@ -1,16 +1,17 @@
 """One pipeline stage on its own device mesh: its parameters, optimizer, and compiled steps.
 
 Each stage jits its forward, backward and optimizer update once, with explicit shardings on
-its mesh. The backward either consumes the residuals the forward saved (a `jax.vjp`
-closure is a pytree, so it can leave one jitted function and enter another) or, under
-`recompute = "full"`, recomputes the stage's forward from its saved input.
+its mesh. The forward runs piece by piece (embedding, each block, head and loss), keeping one
+vjp closure per piece: per block what its recompute mode keeps (model.block_runner: named
+activations, or under `recompute = "full"` only the block's input), never a copy of the
+parameters (h2jax.residuals). The backward consumes those residuals piece by piece, adding
+each piece's weight gradient to the f32 accumulators before the next piece starts.
 
-Under a split-backward schedule (ZB-H1) the forward runs piece by piece (embedding, each
-block, head and loss), keeping one vjp closure per piece, and the backward is two programs
-over those residuals: B (`backward_input`) runs the input-gradient chain and returns each
-piece's output gradient; W (`backward_weight`, deferred by the schedule) turns those into the
-pieces' weight gradients. XLA drops the weight-gradient matmuls from B and the input-gradient
-ones from W, so together they cost one backward.
+Under a split-backward schedule (ZB-H1) the backward is two programs over the residuals:
+B (`backward_input`) runs the input-gradient chain and returns each piece's output gradient;
+W (`backward_weight`, deferred by the schedule) turns those into the pieces' weight
+gradients. XLA drops the weight-gradient matmuls from B and the input-gradient ones from W,
+so together they cost one backward.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from h2jax import schedules as sched
-from h2jax.model import cross_entropy, layer_name
+from h2jax.model import StageModel, block_runner, cross_entropy, layer_name
 from h2jax.cluster import ChipType, load_chip
 from h2jax.config import ConfigError
-from h2jax.model import StageModel
 from h2jax.plan import Plan
 from h2jax.runtime.emulation import StageClock
 from h2jax.runtime.memory import StageMemory
+from h2jax.residuals import after, join, split_off
 from h2jax.runtime.optim import apply_clipped_update, make_optimizer, squared_norm
 from h2jax.sharding import (
     BOUNDARY_AXES,
@@ -44,10 +45,6 @@ from h2jax.sharding import (
     shape_tree,
 )
 
-# Selective recomputation keeps matmul outputs and recomputes the cheap elementwise work
-# (norms, activations, softmax): most of the memory saving of full recompute for a fraction
-# of its compute (Korthikanti et al. 2022).
-SELECTIVE_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -120,16 +117,17 @@ class StageExecutor:
         self.actions = [a for a in self.schedule.stage_actions(index, plan.n_stages, plan.n_micro, v)
                         if a.chunk == chunk]
         self.split_backward = self.schedule.splits_backward
-        self.remat_policy = SELECTIVE_POLICY if stage.recompute == "selective" else None
+        # How each block runs: what it keeps for its backward under the stage's recompute mode
+        # (model.block_runner; the backward recomputes the rest, one block at a time).
+        self.run_block = block_runner(stage.recompute)
         self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
         cfg = plan.model
         start, end = stage.layer_ranges[chunk]
-        policy = SELECTIVE_POLICY if stage.recompute == "selective" else None
 
         def build() -> StageModel:
             return StageModel(
                 cfg, start, end, plan.seed,
-                dtype=self.param_dtype, precision=precision, remat_policy=policy,
+                dtype=self.param_dtype, precision=precision, recompute=stage.recompute,
                 attention=self.attention,
             )
 
@@ -179,25 +177,21 @@ class StageExecutor:
 
     # ------------------------------------------------------------------ compiled steps
 
-    def _apply(self, params, x, labels):
-        # Mixed precision: parameters are kept in param_dtype and cast for the math; their
-        # gradients flow back through the cast in param_dtype.
-        model = nnx.merge(self.graphdef, _cast_floats(params, self.compute_dtype))
-        if not self.is_first:
-            # The boundary activation arrives split over `tensor`; gather it here, inside the
-            # compiled step, over this stage's fast links.
-            x = jax.lax.with_sharding_constraint(x, self._hidden_sharding).astype(self.compute_dtype)
-        out = model(x, labels)
-        if not self.is_last:
-            out = jax.lax.with_sharding_constraint(out.astype(self.boundary_dtype), self.boundary_sharding)
-        return out
+    def _f32_gradient(self, g):
+        """A parameter gradient (in the compute dtype) rounded to the parameter dtype, as the
+        cast's own vjp would, and widened to the f32 accumulator's."""
+        return g.astype(self.param_dtype).astype(jnp.float32)
 
-    def _vjp(self, params, x, labels):
-        if self.is_first:  # integer tokens have no gradient
-            return jax.vjp(lambda p: self._apply(p, x, labels), params)
-        return jax.vjp(lambda p, h: self._apply(p, h, labels), params, x)
+    def _kept_residuals(self, vjps, cast):
+        """The residuals a jitted forward returns: all but the parameters (h2jax.residuals)."""
+        kept, self._residual_layout = split_off(vjps, cast)
+        return kept
 
-    # ---------------------------------------------------------- split backward (ZB-H1)
+    def _joined(self, params, kept):
+        """The vjp closures `_kept_residuals` came from, with the parameters back in."""
+        return join(kept, self._residual_layout, _cast_floats(params, self.compute_dtype))
+
+    # ------------------------------------------------------------ forward and backward
 
     def _pieces(self) -> list[str]:
         """The stage's parameter groups in the order its forward applies them."""
@@ -208,22 +202,20 @@ class StageExecutor:
             return model.embed(h)
         if name == "head":
             return cross_entropy(model.head(h), labels)
-        run_block = lambda block, x: block(x)  # noqa: E731  (as StageModel runs its blocks)
-        if self.remat_policy is not None:
-            run_block = nnx.remat(run_block, policy=self.remat_policy)
-        return run_block(getattr(model, name), h)
+        return self.run_block(getattr(model, name), h)  # as StageModel runs its blocks
 
     def _piece_vjps(self, params, x, labels):
         """(output, one vjp closure per piece): the stage's forward, piece by piece; each vjp
         takes the piece's output gradient and returns (its parameters' gradient, its input's),
-        the first stage's embedding only the former. The boundary casts ride on the first and
-        last pieces so the input gradient comes back in the boundary layout."""
+        the first stage's embedding only the former; and the compute-dtype parameters. The
+        boundary casts ride on the first and last pieces so the input gradient comes back in
+        the boundary layout."""
         cast = _cast_floats(params, self.compute_dtype)
         names = self._pieces()
         vjps, h = [], x
         for j, name in enumerate(names):
             def f(p_sub, h_in, name=name, j=j):
-                model = nnx.merge(self.graphdef, {**cast, name: _cast_floats(p_sub, self.compute_dtype)})
+                model = nnx.merge(self.graphdef, {**cast, name: p_sub})
                 if j == 0 and not self.is_first:
                     h_in = jax.lax.with_sharding_constraint(h_in, self._hidden_sharding).astype(self.compute_dtype)
                 out = self._piece(model, name, h_in, labels)
@@ -231,11 +223,11 @@ class StageExecutor:
                     out = jax.lax.with_sharding_constraint(out.astype(self.boundary_dtype), self.boundary_sharding)
                 return out
             if j == 0 and self.is_first:  # integer tokens have no gradient
-                h, vjp = jax.vjp(lambda p, f=f: f(p, x), params[name])
+                h, vjp = jax.vjp(lambda p, f=f: f(p, x), cast[name])
             else:
-                h, vjp = jax.vjp(f, params[name], h)
+                h, vjp = jax.vjp(f, cast[name], h)
             vjps.append(vjp)
-        return h, vjps
+        return h, vjps, cast
 
     def _input_gradient(self, vjps, dy):
         """B: (input gradient, each piece's output gradient) from the pieces' residuals."""
@@ -245,66 +237,72 @@ class StageExecutor:
             if j == 0 and self.is_first:
                 break
             g = vjps[j](g)[1]
-        dx = None if self.is_first else jax.lax.with_sharding_constraint(g, self.boundary_sharding)
-        return dx, cots
+        return self._boundary_gradient(g), cots
+
+    def _boundary_gradient(self, g):
+        return None if self.is_first else jax.lax.with_sharding_constraint(g, self.boundary_sharding)
+
+    def _add(self, acc, name, grad):
+        return jax.tree.map(lambda a, x: a + self._f32_gradient(x), acc[name], grad)
 
     def _weight_gradient(self, acc, vjps, cots):
         """W: each piece's parameter gradient from its residuals and output gradient, added to
-        the f32 accumulators."""
-        acc = dict(acc)
-        for name, vjp, g in zip(self._pieces(), vjps, cots):
-            grad = vjp(g)[0]
-            acc[name] = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc[name], grad)
+        the f32 accumulators, one piece at a time (each piece's output gradient is tied to the
+        previous piece's sum: its recomputation and gradient wait until that is done)."""
+        acc, previous = dict(acc), None
+        for name, vjp, g in reversed(list(zip(self._pieces(), vjps, cots))):
+            if previous is not None:
+                g = after(g, previous)
+            acc[name] = previous = self._add(acc, name, vjp(g)[0])
         return acc
 
-    def _accumulate(self, acc, cotangents):
-        grads = cotangents[0]
-        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        if self.is_first:
-            return acc, None
-        return acc, jax.lax.with_sharding_constraint(cotangents[1], self.boundary_sharding)
+    def _backward_pieces(self, acc, vjps, dy):
+        """B and W together: (accumulators, input gradient). Each piece's gradient is added to
+        its accumulator before the next piece's backward starts (`after`), so one piece's
+        weight gradient is alive at a time."""
+        acc, g = dict(acc), dy
+        for j in range(len(vjps) - 1, -1, -1):
+            name = self._pieces()[j]
+            if j == 0 and self.is_first:  # the embedding: integer tokens have no gradient
+                (grad,) = vjps[j](g)
+            else:
+                grad, g = vjps[j](g)
+            acc[name] = self._add(acc, name, grad)
+            g = after(g, acc[name])
+        return acc, self._boundary_gradient(g)
 
     def _compile(self) -> None:
         labels_sh = self.labels_sharding if self.is_last else None
         in_sh = (self.param_sharding, self.input_sharding, labels_sh)
         grad_out_sh = (self.param_sharding, None if self.is_first else self.boundary_sharding)
         dx_sh = None if self.is_first else self.boundary_sharding
-        if self.split_backward and self.stage.recompute == "full":
-            # Only the input is kept; B and W each re-run the forward from it.
-            self._forward = jax.jit(self._apply, in_shardings=in_sh)
+
+        # The forward returns the pieces' residuals but the parameters (a `jax.vjp` closure
+        # is a pytree, so it leaves one jitted function and enters another): per block what
+        # its recompute mode keeps (model.block_runner).
+        def forward(params, x, labels):
+            h, vjps, cast = self._piece_vjps(params, x, labels)
+            return h, self._kept_residuals(vjps, cast)
+
+        self._forward = jax.jit(forward, in_shardings=in_sh)
+        if self.split_backward:
             self._backward_input = jax.jit(
-                lambda params, x, labels, dy: self._input_gradient(self._piece_vjps(params, x, labels)[1], dy),
+                lambda params, kept, dy: self._input_gradient(self._joined(params, kept), dy),
                 out_shardings=(dx_sh, None),
             )
             self._backward_weight = jax.jit(
-                lambda acc, params, x, labels, cots: self._weight_gradient(
-                    acc, self._piece_vjps(params, x, labels)[1], cots),
+                lambda acc, params, kept, cots: self._weight_gradient(acc, self._joined(params, kept), cots),
                 donate_argnums=(0,), out_shardings=self.param_sharding,
             )
-        elif self.split_backward:
-            self._forward = jax.jit(self._piece_vjps, in_shardings=in_sh)
-            self._backward_input = jax.jit(self._input_gradient, out_shardings=(dx_sh, None))
-            self._backward_weight = jax.jit(self._weight_gradient, donate_argnums=(0,),
-                                            out_shardings=self.param_sharding)
-        elif self.stage.recompute == "full":
-            self._forward = jax.jit(self._apply, in_shardings=in_sh)
-
-            def backward(acc, params, x, labels, dy):
-                _, vjp = self._vjp(params, x, labels)
-                return self._accumulate(acc, vjp(dy))
-
-            self._backward = jax.jit(backward, donate_argnums=(0,), out_shardings=grad_out_sh)
         else:
-            self._forward = jax.jit(self._vjp, in_shardings=in_sh)
             self._backward = jax.jit(
-                lambda acc, vjp, dy: self._accumulate(acc, vjp(dy)),
-                donate_argnums=(0,),
-                out_shardings=grad_out_sh,
+                lambda acc, params, kept, dy: self._backward_pieces(acc, self._joined(params, kept), dy),
+                donate_argnums=(0,), out_shardings=grad_out_sh,
             )
 
         def forward_backward(acc, params, x, labels, dy):
-            out, vjp = self._vjp(params, x, labels)
-            acc, dx = self._accumulate(acc, vjp(dy))
+            out, vjps, _ = self._piece_vjps(params, x, labels)
+            acc, dx = self._backward_pieces(acc, vjps, dy)
             return out, acc, dx
 
         # When the schedule runs a micro-batch's backward right after its forward (the last
@@ -348,28 +346,15 @@ class StageExecutor:
         steps, held, forward, cots = [], (), None, ()
         if fused:
             steps.append(self._forward_backward.lower(acc, params, x, labels, dy).compile())
-        if split and self.split_backward:
+        if split:
             forward = self._forward.lower(params, x, labels).compile()
-            if self.stage.recompute == "full":
-                held = (x, labels)
-                b = self._backward_input.lower(params, x, labels, dy).compile()
+            _, held = forward.out_info  # the residuals but the parameters
+            if self.split_backward:
+                b = self._backward_input.lower(params, held, dy).compile()
                 _, cots = b.out_info  # each piece's output gradient, kept from B until W
-                w = self._backward_weight.lower(acc, params, x, labels, cots).compile()
+                steps += [forward, b, self._backward_weight.lower(acc, params, held, cots).compile()]
             else:
-                _, held = forward.out_info
-                b = self._backward_input.lower(held, dy).compile()
-                _, cots = b.out_info
-                w = self._backward_weight.lower(acc, held, cots).compile()
-            steps += [forward, b, w]
-        elif split:
-            forward = self._forward.lower(params, x, labels).compile()
-            if self.stage.recompute == "full":
-                backward = self._backward.lower(acc, params, x, labels, dy).compile()
-                held = (x, labels)  # the saved input, re-run in the backward
-            else:
-                _, held = forward.out_info  # the forward returns (output, vjp closure)
-                backward = self._backward.lower(acc, held, dy).compile()
-            steps += [forward, backward]
+                steps += [forward, self._backward.lower(acc, params, held, dy).compile()]
         # the registry's rules (h2jax.schedules): what this stage's action list holds at peak
         p, m = self.plan.n_stages, self.plan.n_micro
         if self.plan.virtual_stages == 1:
@@ -396,37 +381,23 @@ class StageExecutor:
 
     def forward(self, x, labels=None) -> tuple[Any, Any]:
         """(output, saved): output is the boundary activation, or the loss on the last stage;
-        `saved` is what backward needs (residuals, or the input under full recompute)."""
-        if self.stage.recompute == "full":
-            return self._run(self._forward, self.params, x, labels), (x, labels)
+        `saved` is what backward needs (each block's residuals under its recompute mode)."""
         return self._run(self._forward, self.params, x, labels)
 
     def backward_input(self, saved, dy):
-        """B of a split backward: (input gradient, what W needs: the residuals or saved input,
-        and each piece's output gradient)."""
-        if self.stage.recompute == "full":
-            x, labels = saved
-            dx, cots = self._run(self._backward_input, self.params, x, labels, dy)
-        else:
-            dx, cots = self._run(self._backward_input, saved, dy)
+        """B of a split backward: (input gradient, what W needs: the residuals and each
+        piece's output gradient)."""
+        dx, cots = self._run(self._backward_input, self.params, saved, dy)
         return dx, (saved, cots)
 
     def backward_weight(self, pending) -> None:
         """W of a split backward: accumulates the weight gradients of one micro-batch."""
         saved, cots = pending
-        if self.stage.recompute == "full":
-            x, labels = saved
-            self.grad_acc = self._run(self._backward_weight, self.grad_acc, self.params, x, labels, cots)
-        else:
-            self.grad_acc = self._run(self._backward_weight, self.grad_acc, saved, cots)
+        self.grad_acc = self._run(self._backward_weight, self.grad_acc, self.params, saved, cots)
 
     def backward(self, saved, dy):
         """Accumulates this micro-batch's parameter gradients; returns the input gradient."""
-        if self.stage.recompute == "full":
-            x, labels = saved
-            self.grad_acc, dx = self._run(self._backward, self.grad_acc, self.params, x, labels, dy)
-        else:
-            self.grad_acc, dx = self._run(self._backward, self.grad_acc, saved, dy)
+        self.grad_acc, dx = self._run(self._backward, self.grad_acc, self.params, saved, dy)
         return dx
 
     def forward_backward(self, x, labels, dy):
@@ -513,6 +484,7 @@ class ChunkedStage:
             capacity_bytes=parts[0].capacity_bytes,
             deferred=schedule.deferred(self.index, p, m, v),
             per_deferred_bytes=max(x.per_deferred_bytes for x in parts),
+            update_bytes=max(x.update_bytes for x in parts),
         )
 
     @property
