@@ -257,8 +257,8 @@ def checkpointed(policy):
             return out, (s, kept)
 
         def backward(saved, g):
-            s, kept = saved  # the parameters too: cast to the compute dtype here, not up front
-            return join([after(k, g) for k in kept], layout[-1], jax.tree.map(lambda p: after(p, g), s))(g)
+            s, kept = saved
+            return join([after(k, g) for k in kept], layout[-1], s)(g)
 
         checkpoint.defvjp(forward, backward)
         return checkpoint(state, x)

@@ -47,5 +47,7 @@ def after(x: jax.Array, dependency) -> jax.Array:
     after `dependency` exists, and is not merged with what consumed x: an order XLA keeps on
     every backend (XLA:CPU drops optimization barriers before it eliminates common
     subexpressions)."""
-    tie = sum(leaf.reshape(-1)[0].astype(x.dtype) for leaf in jax.tree.leaves(dependency))
+    # One element by index, not through reshape(-1): flattening an array split over a mesh
+    # would gather all of it.
+    tie = sum(leaf[(0,) * leaf.ndim].astype(x.dtype) for leaf in jax.tree.leaves(dependency))
     return x + jnp.zeros((), x.dtype) * tie
