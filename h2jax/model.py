@@ -281,10 +281,14 @@ class StageModel(nnx.Module):
         precision=None,
         recompute: str = "none",
         attention: str = "xla",
+        first: bool | None = None,
+        last: bool | None = None,
     ):
         """`attention`: the attention kernel every block runs (config.ATTENTION_KERNELS);
         `recompute`: what each block keeps for the backward (`block_runner`). Parameters and
-        the function computed depend on neither."""
+        the function computed depend on neither. `first` / `last`: whether the slice holds
+        the embedding / the head (default: it starts at layer 0 / ends at the last layer; an
+        interleaved plan's empty chunk [n_layers, n_layers] before the last one holds neither)."""
         if cfg.tie_embeddings:
             raise ConfigError(
                 "model.tie_embeddings: the planner prices tied embeddings, but this model keeps a "
@@ -293,7 +297,8 @@ class StageModel(nnx.Module):
             )
         root = jax.random.key(seed)
         self.run_block = block_runner(recompute)
-        self.is_first, self.is_last = start == 0, end == cfg.n_layers
+        self.is_first = start == 0 if first is None else first
+        self.is_last = end == cfg.n_layers if last is None else last
         self.layer_names = [layer_name(i) for i in range(start, end)]
         if self.is_first:
             self.embed = Embed(cfg, jax.random.fold_in(root, cfg.n_layers), dtype)

@@ -51,6 +51,11 @@ INTERLEAVED_CASES = {
         [stage(1, 1, [[0, 1], [4, 5]]), stage(2, 1, [[1, 2], [5, 6]], "selective"),
          stage(1, 2, [[2, 3], [6, 7]], "full"), stage(2, 1, [[3, 4], [7, 8]])],
     ),
+    # Empty chunks, as the planner makes when a stage has fewer layers than chunks: the
+    # embedding alone ([0, 0] of stage 0), nothing at all ([4, 4] before the last chunk), the
+    # head alone ([4, 4], the last chunk).
+    "two-stage-interleaved-empty-chunks": (
+        "tiny", [stage(2, 1, [[0, 0], [1, 2], [4, 4]]), stage(1, 2, [[0, 1], [2, 4], [4, 4]], "full")]),
 }
 
 

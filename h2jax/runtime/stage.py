@@ -87,7 +87,6 @@ class StageExecutor:
         `lr_schedule` (a function of the update count) replaces the plan's schedule.
         `chunk`: under interleaved 1F1B, which of the stage's layer chunks this executor runs
         (virtual stage chunk * n_stages + index; `ChunkedStage` holds one per chunk)."""
-        check_chunks(plan)
         stage = plan.stages[index]
         self.plan, self.index, self.stage = plan, index, stage
         self.chip: ChipType = load_chip(stage.chip)
@@ -128,7 +127,7 @@ class StageExecutor:
             return StageModel(
                 cfg, start, end, plan.seed,
                 dtype=self.param_dtype, precision=precision, recompute=stage.recompute,
-                attention=self.attention,
+                attention=self.attention, first=self.is_first, last=self.is_last,
             )
 
         self.graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
@@ -212,6 +211,8 @@ class StageExecutor:
         the boundary layout."""
         cast = _cast_floats(params, self.compute_dtype)
         names = self._pieces()
+        if not names:  # an empty layer chunk of an interleaved plan: the activation passes on
+            return jax.lax.with_sharding_constraint(x.astype(self.boundary_dtype), self.boundary_sharding), [], cast
         vjps, h = [], x
         for j, name in enumerate(names):
             def f(p_sub, h_in, name=name, j=j):
@@ -432,21 +433,6 @@ class StageExecutor:
 # ----------------------------------------------------------------------------- interleaved 1F1B
 
 
-def check_chunks(plan: Plan) -> None:
-    """Refuse, before anything compiles, an interleaved plan with an empty layer chunk: the
-    runtime runs each chunk as its own compiled slice of the model and needs a layer in each."""
-    if plan.virtual_stages == 1:
-        return
-    for i, stage in enumerate(plan.stages):
-        for c, (start, end) in enumerate(stage.layer_ranges):
-            if start == end:
-                raise ConfigError(
-                    f"stages[{i}].layers[{c}] is an empty chunk ([{start}, {end}]): the runtime runs every "
-                    f"chunk of an interleaved plan as a compiled model slice and needs at least one layer in "
-                    f"each; move a layer into it, or plan with fewer virtual_stages"
-                )
-
-
 class ChunkedStage:
     """Stage `index` of an interleaved plan (virtual_stages v > 1): one StageExecutor per
     layer chunk, all on the stage's devices (chunk c is virtual stage c * n_stages + index).
@@ -458,7 +444,6 @@ class ChunkedStage:
     working set."""
 
     def __init__(self, plan: Plan, index: int, devices: list, *, check_memory: bool = True, **kwargs):
-        check_chunks(plan)
         self.chunks = [StageExecutor(plan, index, devices, chunk=c, check_memory=False, **kwargs)
                        for c in range(plan.virtual_stages)]
         first = self.chunks[0]

@@ -144,12 +144,11 @@ class Trainer:
         from h2jax.runtime.emulation import ClockedTransport, StageClock
         from h2jax.runtime.devices import assign_devices
         from h2jax.runtime.pipeline import Pipeline
-        from h2jax.runtime.stage import ChunkedStage, StageExecutor, check_chunks
+        from h2jax.runtime.stage import ChunkedStage, StageExecutor
 
         from h2jax.runtime.optim import learning_rate_schedule, with_schedule_length
 
         plan = with_schedule_length(plan, steps)
-        check_chunks(plan)  # before any stage compiles
         self.plan = plan
         # `lr_schedule`: your own (a traceable function of the update count), else the plan's.
         self.lr_schedule = lr_schedule or learning_rate_schedule(plan.optimizer, plan.train)
