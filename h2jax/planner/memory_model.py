@@ -205,8 +205,9 @@ def stage_memory_terms(
         model, tensor, w, layer_none)
     if recompute != "none":  # the recomputed layer's activations, beside their gradients
         working += layer_none
+    logits = tokens * model.vocab_size / tensor * 4 * 2  # f32 logits and their gradient / log-probabilities
     if last:
-        working += tokens * model.vocab_size / tensor * 4 * 2
+        working += logits
     capacity = chip.usable_memory_gib * GIB
     return StageMemoryTerms(
         layer_static=layer_static,
@@ -218,5 +219,5 @@ def stage_memory_terms(
         capacity=capacity,
         deferred=deferred,
         layer_deferred=tokens * model.d_model * a,
-        end_activation=(tokens * model.vocab_size / tensor * 4 * 2 + tokens * model.d_model * a) if last else 0.0,
+        end_activation=(logits + tokens * model.d_model * a) if last else 0.0,
     )

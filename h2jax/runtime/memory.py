@@ -8,7 +8,7 @@ stage's mesh). What one device must hold at the stage's peak:
                  arguments)
     in flight    the schedule's most micro-batches whose forward ran and whose backward has
                  not (1F1B: p - i on stage i; GPipe: all m), times what each keeps: the
-                 residuals the forward returns, or under full recompute the saved input
+                 residuals the forward returns (what each block's recompute mode keeps)
     deferred W   under a split backward (ZB-H1), the schedule's most micro-batches between
                  their B and their W, times the per-piece output gradients B hands to W
     working      the largest micro-batch step's scratch (temp) plus the fresh outputs it

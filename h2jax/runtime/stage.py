@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from h2jax import schedules as sched
-from h2jax.model import StageModel, block_runner, cross_entropy, layer_name
+from h2jax.model import StageModel, cross_entropy, layer_name
 from h2jax.cluster import ChipType, load_chip
 from h2jax.config import ConfigError
 from h2jax.plan import Plan
@@ -116,9 +116,6 @@ class StageExecutor:
         self.actions = [a for a in self.schedule.stage_actions(index, plan.n_stages, plan.n_micro, v)
                         if a.chunk == chunk]
         self.split_backward = self.schedule.splits_backward
-        # How each block runs: what it keeps for its backward under the stage's recompute mode
-        # (model.block_runner; the backward recomputes the rest, one block at a time).
-        self.run_block = block_runner(stage.recompute)
         self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
         cfg = plan.model
         start, end = stage.layer_ranges[chunk]
@@ -201,7 +198,7 @@ class StageExecutor:
             return model.embed(h)
         if name == "head":
             return cross_entropy(model.head(h), labels)
-        return self.run_block(getattr(model, name), h)  # as StageModel runs its blocks
+        return model.run_block(getattr(model, name), h)  # as StageModel runs its blocks: its recompute mode
 
     def _piece_vjps(self, params, x, labels):
         """(output, one vjp closure per piece): the stage's forward, piece by piece; each vjp
