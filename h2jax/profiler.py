@@ -4,7 +4,8 @@ the planner reads in place of its analytical figures (format: h2jax.planner.prof
 One measurement is one transformer layer as a middle pipeline stage (no embedding, no head)
 on a `(data=1, tensor=T)` mesh of the chip's platform, compiled exactly as the runtime
 compiles it (h2jax.runtime.stage), so tensor-parallel collectives are inside the time.
-Times are medians of repeated runs after warm-up, sampled until the median is stable
+Times are medians of repeated samples after warm-up (each sample as many calls as span
+`MIN_SAMPLE_S`, so a sub-millisecond call is timed above the clock's resolution), sampled until the median is stable
 (`stable_median`: at least `repeats` samples, then batches of more until the median moves by
 less than 1%, at most `max_repeats`); each time's spread (interquartile range / median) is
 reported, and a profile with a spread above `max_spread` is refused (`SpreadError`: measure
@@ -119,19 +120,43 @@ def one_layer_plan(chip: str, model: ModelConfig, seq_len: int, tensor: int, mic
     return Plan(model, seq_len, micro_batch, micro_batch, stages, model_name=preset_name(model))
 
 
-def _call_seconds(fn: Callable[[], object], emulated: bool) -> float:
-    """One timed call: on an emulated chip its compute as the runtime's emulation measures it
-    (h2jax.runtime.emulation.measure_call: worker CPU seconds per device, before the
-    slowdown), on a real chip its wall-clock time."""
+MIN_SAMPLE_S = 0.05  # one timed sample spans at least this long (`calls_per_sample`)
+MAX_CALLS_PER_SAMPLE = 1000
+
+
+def calls_per_sample(fn: Callable[[], object]) -> int:
+    """How many calls one timed sample makes so that it spans `MIN_SAMPLE_S`: a process's CPU
+    clock counts another thread's time only when that thread is descheduled or the kernel
+    ticks (every few ms), so one sub-millisecond call's worker CPU time reads 0 as often as
+    not (measured: medians of 0.00 ms on a shared host); a sample of many calls spans
+    several ticks. From one wall-clock call, after warm-up."""
     import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    took = time.perf_counter() - t0
+    return max(1, min(MAX_CALLS_PER_SAMPLE, math.ceil(MIN_SAMPLE_S / max(took, 1e-9))))
+
+
+def _call_seconds(fn: Callable[[], object], emulated: bool, calls: int = 1) -> float:
+    """Seconds per call over `calls` calls, each run to completion: on an emulated chip its
+    compute as the runtime's emulation measures it (h2jax.runtime.emulation.measure_call:
+    worker CPU seconds per device, before the slowdown), on a real chip wall-clock time."""
+    import jax
+
+    def run():
+        out = None
+        for _ in range(calls):
+            out = jax.block_until_ready(fn())
+        return out
 
     if emulated:
         from h2jax.runtime.emulation import measure_call
 
-        return measure_call(fn)[2]
+        return measure_call(run)[2] / calls
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
+    run()
+    return (time.perf_counter() - t0) / calls
 
 
 def _median_time(fn: Callable[[], object], repeats: int, warmup: int, emulated: bool = False,
@@ -140,7 +165,8 @@ def _median_time(fn: Callable[[], object], repeats: int, warmup: int, emulated: 
 
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    return stable_median(lambda: _call_seconds(fn, emulated), repeats, max_repeats or repeats)
+    calls = calls_per_sample(fn)
+    return stable_median(lambda: _call_seconds(fn, emulated, calls), repeats, max_repeats or repeats)
 
 
 def measure_layer(
@@ -161,14 +187,9 @@ def measure_layer(
     dy = jax.device_put(rng.normal(size=shape).astype(ex.boundary_dtype), ex.boundary_sharding)
     forward = _median_time(lambda: ex.forward(x), repeats, warmup, chip.is_emulated, max_repeats)
 
-    def backward_sample() -> float:
-        _, saved = ex.forward(x)
-        jax.block_until_ready(saved)
-        return _call_seconds(lambda: ex.backward(saved, dy), chip.is_emulated)
-
-    for _ in range(warmup):
-        backward_sample()
-    backward = stable_median(backward_sample, repeats, max_repeats or repeats)
+    _, saved = ex.forward(x)  # backward keeps its inputs: every call can reuse them
+    jax.block_until_ready(saved)
+    backward = _median_time(lambda: ex.backward(saved, dy), repeats, warmup, chip.is_emulated, max_repeats)
     mem = ex.memory
     return Measurement(
         tensor, micro_batch, micro_batch * seq_len, forward.median, backward.median,

@@ -88,3 +88,27 @@ def test_doubling_a_chips_measured_layer_time_shifts_layers_away_from_it(tmp_pat
     assert before.get("emu-mid", 0) >= 1 and before.get("emu-slow", 0) >= 1, before
     assert after.get("emu-mid", 0) < before["emu-mid"], (before, after)
     assert slower.predicted["step_time_s"] > base.predicted["step_time_s"]
+
+
+def test_a_sample_of_short_calls_spans_enough_calls_to_be_resolved(monkeypatch):
+    """A sub-millisecond call is timed over as many calls as span MIN_SAMPLE_S, and each
+    sample reports seconds per call (a process's CPU clock resolves other threads' time only
+    every few ms: one short call's worker time reads 0)."""
+    from h2jax import profiler
+
+    now = [0.0]
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: now[0])
+    calls = []
+
+    def call():
+        calls.append(1)
+        now[0] += 0.002  # a 2 ms call on the injected clock
+        return 0
+
+    n = profiler.calls_per_sample(call)
+    assert (n, len(calls)) == (25, 1)  # 0.05 s / 2 ms, from one call
+    calls.clear()
+    assert profiler._call_seconds(call, emulated=False, calls=n) == pytest.approx(0.002)
+    assert len(calls) == n
+    now[0] += 1.0
+    assert profiler.calls_per_sample(lambda: now.__setitem__(0, now[0] + 0.2)) == 1  # a long call: one
