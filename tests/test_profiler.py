@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import types
 
 import pytest
 
@@ -97,7 +98,7 @@ def test_a_sample_of_short_calls_spans_enough_calls_to_be_resolved(monkeypatch):
     from h2jax import profiler
 
     now = [0.0]
-    monkeypatch.setattr(profiler.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
 
     def call():

@@ -347,6 +347,7 @@ def test_profiler_times_exactly_one_layer(monkeypatch):
     # an emulated chip is timed as the emulation times it: worker CPU seconds (one tick a run)
     monkeypatch.setattr(emulation, "time", types.SimpleNamespace(
         perf_counter=fake.perf_counter, process_time=fake.process_time, thread_time=fake.thread_time))
+    monkeypatch.setattr(profiler, "MIN_SAMPLE_S", 0.0)  # one call a sample (calls_per_sample is tested alone)
     cfg = PRESETS["tiny"]
     profile, raw = profiler.profile_chips(["emu-mid"], "tiny", 16, (1,), (2,), repeats=3, warmup=1)
     (ex,) = built
