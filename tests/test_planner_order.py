@@ -2,7 +2,7 @@
 (the first stage holds the embedding, the last the head and the loss), not fixed by memory.
 
 - the fast search equals `--exhaustive` (which enumerates every order) on 200 random small
-  clusters, infeasible ones included;
+  clusters, infeasible ones included, and on 25 of them with the box search forced;
 - a case where the faster chip with more memory goes last, where the head runs, beats the
   memory order by more than 10%;
 - the Lagrangian DP over positions (positions.back_dp / front_dp) is the least over every
@@ -72,6 +72,24 @@ def test_fast_search_equals_exhaustive_over_every_order_on_200_random_clusters()
         other_order += names != memory_order(cluster, names)
     # the sample covers both answers and plans outside the memory order
     assert 20 <= none <= 150 and other_order >= 10, (none, other_order)
+
+
+def test_the_box_search_alone_equals_exhaustive(monkeypatch):
+    """The same check with no space small enough to be enumerated at its root box
+    (dual_search.RESOLVE_LISTS, 4096 stage lists, covers most clusters above): every micro-batch
+    size goes through the dives and the box halving, on the first 25 clusters."""
+    from h2jax.planner import dual_search
+
+    monkeypatch.setattr(dual_search, "RESOLVE_LISTS", 0)
+    rng = random.Random(20261201)
+    for _ in range(25):
+        cluster, kwargs = random_case(rng)
+        fast, stats = best(cluster, **kwargs)
+        full, _ = best(cluster, exhaustive=True, **kwargs)
+        assert (fast is None) == (full is None), kwargs
+        if fast is not None:
+            assert fast.time_s == pytest.approx(full.time_s, rel=1e-9), (cluster, kwargs)
+            assert stats.proved_optimal
 
 
 def test_the_faster_chip_goes_last_where_the_head_runs():

@@ -43,7 +43,7 @@ from h2jax.planner.split import (
 RESOLVE_FRACTION = 1.0  # resolve a box once its width costs at most this share of its gap,
 RESOLVE_GAP = 0.02  # ... and its bound is within this share of the incumbent,
 RESOLVE_WIDTH = 0.01  # ... or once it is this narrow (a share of the incumbent)
-RESOLVE_LISTS = 256  # a micro-batch size with at most this many stage lists: resolved at its root box
+RESOLVE_LISTS = 4096  # a micro-batch size with at most this many stage lists: resolved at its root box
 GENERATION = 8  # boxes split per batched bound evaluation
 DIVE_FACTORS = (1.0, 1.05, 1.15, 1.4)
 DIVE_BATCHES = 2

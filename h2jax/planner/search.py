@@ -129,52 +129,88 @@ def check_exhaustive_size(ctx: Context, micro_batches: Sequence[int]) -> None:
         )
 
 
+EXHAUSTIVE_CHUNK = 1 << 21  # (stage list, split, stage) entries evaluated in one batch
+
+
 def _search_exhaustive(ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats) -> list[Candidate]:
     """Every stage list and every layer split, no bounds, no pruning: the reference.
 
     Memory is checked with the memory model's fit test on each split (not its layer caps), and
-    each split's time is evaluated from the stage terms, vectorised over all splits.
+    each split's time is evaluated from the stage terms with the schedule's closed form,
+    vectorised over the splits of a batch of stage lists with the same number of stages.
     """
     L, top = ctx.model.n_layers, TopK(k)
     for b in micro_batches:
         m = ctx.global_batch // b
         per_type = ctx.type_options(b, prune_unfit=False)
+        rows = _StageRows(ctx, b, m)
+        batches: dict[int, list] = {}  # stages -> stage lists waiting to be evaluated
         for combo in itertools.product(*[[None, *opts] for opts in per_type]):
             picked = [o for o in combo if o is not None]
             p = sum(o.stages for o in picked)
             if not picked or p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
                 continue
+            waiting = batches.setdefault(p, [])
             for chosen in itertools.permutations(picked):  # every pipeline order of the types
-                _exhaustive_list(ctx, b, m, list(chosen), k, top, stats)
+                waiting.append(chosen)
+            if len(waiting) * len(_compositions(L, p)) * p >= EXHAUSTIVE_CHUNK:
+                _exhaustive_lists(ctx, b, m, p, batches.pop(p), rows, top, k, stats)
+        for p, waiting in batches.items():
+            _exhaustive_lists(ctx, b, m, p, waiting, rows, top, k, stats)
     return top.sorted()
 
 
-def _exhaustive_list(
-    ctx: Context, b: int, m: int, chosen: list[Option], k: int, top: TopK, stats: SearchStats
-) -> None:
-    """Every layer split of one stage list, vectorised; the k best offered to `top`."""
-    L, p = ctx.model.n_layers, sum(o.stages for o in chosen)
-    stats.space_size += 1
-    stats.configs_visited += 1
-    shapes = [o for o in chosen for _ in range(o.stages)]
-    terms = [ctx.terms(b, o, i == 0, i == p - 1, *ctx.holds(i, p, m)) for i, o in enumerate(shapes)]
-    splits = _compositions(L, p)
-    splits = splits[np.logical_and.reduce([t.mem.fits(splits[:, i]) for i, t in enumerate(terms)])]
-    if not len(splits):
-        return
-    stats.plans_evaluated += len(splits)
-    max_send, links = stage_list_sends(ctx, b, shapes)
-    fwd = splits * np.array([t.fwd_layer for t in terms]) + np.array([t.fwd_end for t in terms])
-    bwd = splits * np.array([t.bwd_layer for t in terms]) + np.array([t.bwd_end for t in terms])
-    wgt = splits * np.array([t.bwd_weight_layer for t in terms]) + np.array([t.bwd_weight_end for t in terms])
-    tail = splits * np.array([t.tail_layer for t in terms]) + np.array([t.tail_end for t in terms])
-    # the schedule's closed form itself (what cost_model.iteration_time evaluates)
-    times = ctx.sched.closed_form.pipeline_time(fwd, bwd, wgt, links, max_send, m, ctx.v) + tail.max(axis=1)
-    for j in np.argsort(times, kind="stable")[:k]:
-        if times[j] < top.bound:
-            top.push(Candidate(float(times[j]), b, tuple(chosen), tuple(int(x) for x in splits[j]),
-                               ctx.schedule, ctx.v))
+class _StageRows:
+    """Per (option, position, stages) of one micro-batch size: the fit test at 0..L layers and
+    the per-layer and end seconds (forward, backward, weight gradient, tail), computed once
+    and kept as rows of two tables (stage lists share them)."""
 
+    def __init__(self, ctx: Context, b: int, m: int):
+        self.ctx, self.b, self.m = ctx, b, m
+        self.index: dict = {}
+        self.fit: list[np.ndarray] = []
+        self.coef: list[tuple] = []
+
+    def of(self, o: Option, i: int, p: int) -> int:
+        key = (o, i, p)
+        row = self.index.get(key)
+        if row is None:
+            t = self.ctx.terms(self.b, o, i == 0, i == p - 1, *self.ctx.holds(i, p, self.m))
+            row = self.index[key] = len(self.fit)
+            self.fit.append(np.asarray(t.mem.fits(np.arange(self.ctx.model.n_layers + 1))))
+            self.coef.append((t.fwd_layer, t.fwd_end, t.bwd_layer, t.bwd_end, t.bwd_weight_layer,
+                              t.bwd_weight_end, t.tail_layer, t.tail_end))
+        return row
+
+
+def _exhaustive_lists(
+    ctx: Context, b: int, m: int, p: int, lists: list, rows: _StageRows, top: TopK, k: int, stats: SearchStats
+) -> None:
+    """Every layer split of stage lists of p stages each, vectorised; the k best offered to `top`."""
+    L = ctx.model.n_layers
+    stats.space_size += len(lists)
+    stats.configs_visited += len(lists)
+    shapes = [[o for o in chosen for _ in range(o.stages)] for chosen in lists]
+    idx = np.array([[rows.of(o, i, p) for i, o in enumerate(sh)] for sh in shapes])  # (N, p)
+    sends = np.array([stage_list_sends(ctx, b, sh) for sh in shapes])  # (N, 2): largest, links
+    splits = _compositions(L, p)  # (S, p)
+    fit = np.array(rows.fit)[idx]  # (N, p, L + 1)
+    ok = fit[:, np.arange(p)[None, :], splits].all(axis=-1)  # (N, S): every stage holds its layers
+    stats.plans_evaluated += int(ok.sum())
+    if not ok.any():
+        return
+    c = np.array(rows.coef)[idx][:, None, :, :]  # (N, 1, p, 8)
+    fwd, bwd, wgt, tail = (splits * c[..., 2 * j] + c[..., 2 * j + 1] for j in range(4))  # (N, S, p)
+    # the schedule's closed form itself (what cost_model.iteration_time evaluates)
+    times = ctx.sched.closed_form.pipeline_time(
+        fwd, bwd, wgt, sends[:, 1:2], sends[:, 0:1], m, ctx.v) + tail.max(axis=-1)
+    times = np.where(ok, times, np.inf)
+    split = times.argmin(axis=1)  # each list's best split (a top-k entry is a stage list)
+    best = times[np.arange(len(lists)), split]
+    for n in np.argsort(best, kind="stable")[:k]:
+        if best[n] < top.bound:
+            top.push(Candidate(float(best[n]), b, tuple(lists[n]), tuple(int(x) for x in splits[split[n]]),
+                               ctx.schedule, ctx.v))
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -92,13 +92,15 @@ class ClosedForm:
 
     def fill_coefficients(self, p: int, v: int = 1) -> np.ndarray:
         """(p, 3) per-stage coefficients of (f, b, w) in the fill, scale included."""
-        c = np.tile(np.array(self.fill, dtype=float), (p, 1))
+        c = np.empty((p, 3))
+        c[:] = self.fill
         c[-1] = self.fill_last
         return c * self.fill_scale(v)
 
     def pipeline_time(self, f, b, w, links: float, max_send: float, m: int, v: int = 1):
         """T_pipe; f, b, w are arrays (..., p) (one row per layer split when vectorised),
-        `links` = sum_i (send_i + latency_i), `max_send` the largest send."""
+        `links` = sum_i (send_i + latency_i), `max_send` the largest send (floats, or arrays
+        that broadcast against f's leading axes: one per stage list when several are batched)."""
         f, b, w = (np.asarray(x, dtype=float) for x in (f, b, w))
         p = f.shape[-1]
         c = self.fill_coefficients(p, v)
