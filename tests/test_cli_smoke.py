@@ -123,16 +123,18 @@ def test_align_json_reports_each_chips_error_against_the_first(capsys):
 
 @pytest.mark.slow
 def test_demo_profiles_plans_trains_and_reports(tmp_path):
-    """`h2jax demo` with tiny settings on the 2-type emulated cluster, in its own process."""
+    """`h2jax demo --json` with tiny settings on the 2-type emulated cluster, in its own
+    process: the narrative on stderr, one JSON object of its figures on stdout."""
     env = checkout_env({**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "XDG_CACHE_HOME": str(tmp_path / "cache")})
     env.pop("JAX_PLATFORMS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "h2jax", "demo", "--cluster", str(REPO_ROOT / "plans" / "cluster-emu-2type.toml"),
-         "--model", "tiny", "--seq-len", "16", "--global-batch", "4", "--steps", "3", "--baseline-steps", "2"],
+         "--model", "tiny", "--seq-len", "16", "--global-batch", "4", "--steps", "3", "--baseline-steps", "2",
+         "--json"],
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    out = proc.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + out[-3000:]
     assert "EMULATED chips" in out and "emu-fast" in out and "emu-slow" in out
     for step in ("1. Profiling", "2. Planning", "3. Training 3 steps", "4. Each chip type alone"):
         assert step in out, step
@@ -142,3 +144,10 @@ def test_demo_profiles_plans_trains_and_reports(tmp_path):
     assert value == "n/a" or 0 < float(value) < 10, ratio_line
     first, last = (float(x) for x in re.search(r"^\s*loss ([0-9.]+) -> ([0-9.]+)", out, re.MULTILINE).groups())
     assert last < first  # the demo's own success criterion, checked from its output
+    # the JSON: every chip used or idle, throughput per chip of the cluster and per chip used
+    d = json.loads(proc.stdout)
+    for chip, n in d["chips"].items():
+        assert d["chips_used"].get(chip, 0) + d["chips_idle"].get(chip, 0) == n
+    used = sum(d["chips_used"].values())
+    assert d["tokens_per_used_chip_per_s"] == pytest.approx(d["tokens_per_s"] / used, rel=1e-9)
+    assert d["tokens_per_chip_per_s"] == pytest.approx(d["tokens_per_s"] / sum(d["chips"].values()), rel=1e-9)
