@@ -5,11 +5,12 @@ One measurement is one transformer layer as a middle pipeline stage (no embeddin
 on a `(data=1, tensor=T)` mesh of the chip's platform, compiled exactly as the runtime
 compiles it (h2jax.runtime.stage), so tensor-parallel collectives are inside the time.
 Times are medians of repeated samples after warm-up (each sample as many calls as span
-`MIN_SAMPLE_S`, so a sub-millisecond call is timed above the clock's resolution), sampled until the median is stable
-(`stable_median`: at least `repeats` samples, then batches of more until the median moves by
-less than 1%, at most `max_repeats`); each time's spread (interquartile range / median) is
-reported, and a profile with a spread above `max_spread` is refused (`SpreadError`: measure
-on a quieter machine, take more samples, or relax --max-spread). `activation_bytes` is what
+`MIN_SAMPLE_S`, so a sub-millisecond call is timed above the clock's resolution), sampled
+until the median is stable (`stable_median`: at least `repeats` samples, then batches of more
+until the median moves by less than 1%, at most `max_repeats`); each time's spread
+(interquartile range / median) is reported, and a profile with a spread above `max_spread`
+is refused (`SpreadError`: measure on a quieter machine, take more samples, or relax
+--max-spread). `activation_bytes` is what
 the layer keeps per micro-batch between its forward and backward, from XLA's memory analysis.
 
 Per chip type the profile also gets fits (h2jax.planner.fit): the per-micro-batch overhead
