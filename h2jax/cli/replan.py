@@ -93,6 +93,8 @@ def main(args: argparse.Namespace) -> int:
         table.add_row(f"stage {i}", _stage_text(old, i), _stage_text(new, i))
     console.print(table)
     if args.out:
+        # soft_wrap: a command to copy keeps its one line, however long its paths
         console.print(f"new plan written to {args.out}; continue the run with:\n"
-                      f"  h2jax run --plan {args.out} --checkpoint-dir {args.checkpoint} --resume")
+                      f"  h2jax run --plan {args.out} --checkpoint-dir {args.checkpoint} --resume",
+                      soft_wrap=True, markup=False)
     return 0
