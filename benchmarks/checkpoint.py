@@ -23,9 +23,9 @@ the figures move with it.
 Both sides pay the same costs: the arrays start on the stages' devices and end there, every
 file is fsynced (TensorStore, under orbax, syncs each file it writes), the disk is the same
 directory, and the plain numpy save runs in a thread at the checkpoint writer's priority
-(checkpoint.BACKGROUND_NICENESS below the main thread). The checkpoint's figures include what
-numpy's do not: the metadata, the CRC-32 of every file (computed after the write, checked
-before the read) and the atomic commit. The restore's tensorstore reads run in tensorstore's
+(checkpoint.lower_thread_priority, as the writer of a one-process run). The checkpoint's
+figures include what numpy's do not: the metadata, the CRC-32 of every file (computed after
+the write, checked before the read) and the atomic commit. The restore's tensorstore reads run in tensorstore's
 threads, which an earlier save in the process lowered in priority; numpy's load runs at the
 main thread's.
 """
@@ -57,16 +57,15 @@ def _plain_save(arrays: dict, directory: Path) -> None:
             os.fsync(f.fileno())
 
 
-def _plain_save_background(arrays: dict, directory: Path, niceness: int) -> None:
-    """_plain_save in a thread at the checkpoint writer's priority, waited for."""
+def _plain_save_background(arrays: dict, directory: Path) -> None:
+    """_plain_save in a thread at the checkpoint writer's priority (one process: idle class),
+    waited for."""
     import threading
 
+    from h2jax.runtime import checkpoint as ckpt
+
     def run():
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + niceness))
-        except (AttributeError, OSError):
-            pass
+        ckpt.lower_thread_priority(threading.get_native_id(), idle_class=True)
         _plain_save(arrays, directory)
 
     t = threading.Thread(target=run)
@@ -161,7 +160,7 @@ def main() -> None:
 
         p = base / f"plain-{r}"
         t0 = time.perf_counter()
-        _plain_save_background(arrays, p, ckpt.BACKGROUND_NICENESS)
+        _plain_save_background(arrays, p)
         plain_save_s.append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
@@ -193,8 +192,7 @@ def main() -> None:
             t0, c0 = time.perf_counter(), time.process_time()
             trainer.step(batch(n))
             t1 = time.perf_counter()
-            writer.poll()
-            writer.wait()  # what save() would wait for: the previous checkpoint's write
+            writer.settle()  # what save() waits for: the previous checkpoint's write (commit in background)
             t2 = time.perf_counter()
             writer.save(n, trainer.executors, ckpt.checkpoint_meta(plan, n))
             t3 = time.perf_counter()

@@ -1,0 +1,113 @@
+"""The asynchronous checkpoint writer's costs kept off training: packed buffers reused save
+after save, the commit in a thread of its own, the writer in the idle scheduling class where
+no peer busy-waits. Each without changing what a checkpoint holds."""
+
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from h2jax.runtime import checkpoint as ckpt
+from h2jax.runtime.train import Trainer
+
+from tests.test_checkpoint import TWO, dataset, make_plan, train  # noqa: F401  (dataset: a fixture)
+
+
+def test_pack_group_fills_the_array_it_is_given_when_the_length_fits():
+    tree = {"a": np.arange(10, dtype=np.float32), "b": np.ones((3, 5), np.int32)}
+    fresh, layout = ckpt.pack_group(tree)
+    reuse = np.full(fresh.shape, 7, np.uint8)  # stale bytes, padding included, must not survive
+    packed, layout2 = ckpt.pack_group(tree, reuse=reuse)
+    assert packed is reuse and layout2 == layout
+    np.testing.assert_array_equal(packed, fresh)
+    wrong = np.zeros(fresh.size + 64, np.uint8)
+    other, _ = ckpt.pack_group(tree, reuse=wrong)
+    assert other is not wrong and other.shape == fresh.shape
+
+
+def test_saving_every_step_reuses_the_packed_buffers_and_each_checkpoint_holds_its_step(dataset, tmp_path):  # noqa: F811
+    plan = make_plan(TWO)
+    trainer = Trainer(plan, emulate_time=False)
+    writer = ckpt.CheckpointWriter(tmp_path)
+    params, buffers = {}, []
+    for step in (1, 2, 3):
+        train(trainer, dataset, step - 1, 1)
+        params[step] = trainer.params_numpy()
+        writer.save(step, trainer.executors, ckpt.checkpoint_meta(plan, step))
+        writer.settle()
+        buffers.append({g: id(b) for g, b in writer._buffers.items()})
+    writer.close()
+    assert buffers[0] and buffers[0] == buffers[1] == buffers[2]  # the same arrays every save
+    for step in (2, 3):  # a later save's packing did not touch an earlier checkpoint
+        fresh = Trainer(plan, emulate_time=False)
+        ckpt.open_checkpoint(tmp_path, plan, step=step).restore_all(fresh.executors.values())
+        got = fresh.params_numpy()
+        for i in params[step]:
+            for a, b in zip(_leaves(params[step][i]), _leaves(got[i])):
+                np.testing.assert_array_equal(a, b)
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_the_commit_runs_off_the_training_thread_and_its_failure_surfaces(dataset, tmp_path, monkeypatch):  # noqa: F811
+    plan = make_plan(TWO)
+    trainer = Trainer(plan, emulate_time=False)
+    train(trainer, dataset, 0, 1)
+    writer = ckpt.CheckpointWriter(tmp_path)
+    release, real = threading.Event(), ckpt._write_json
+
+    def slow_meta(path, obj, **kw):
+        if path.name == ckpt.META:
+            assert release.wait(30)
+        real(path, obj, **kw)
+
+    monkeypatch.setattr(ckpt, "_write_json", slow_meta)
+    writer.save(1, trainer.executors, ckpt.checkpoint_meta(plan, 1))
+    assert writer.settle() == ckpt.step_dir(tmp_path, 1)  # returns while the commit waits
+    assert ckpt.complete_steps(tmp_path) == []
+    release.set()
+    assert writer.wait() is None and ckpt.complete_steps(tmp_path) == [1]
+
+    def failing(path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_fsync_dir", failing)
+    writer.save(2, trainer.executors, ckpt.checkpoint_meta(plan, 2))
+    writer.settle()
+    with pytest.raises(ckpt.CheckpointError, match=r"committing checkpoint .*step_000002 failed.*No space"):
+        writer.wait()
+
+
+def test_the_writer_runs_in_the_idle_class_in_one_process_only(monkeypatch):
+    assert ckpt.LocalWorld.writer_idle_class is True
+    assert ckpt.TransportWorld.writer_idle_class is False  # MPI ranks busy-wait on shared cores
+    seen = []
+    monkeypatch.setattr(ckpt, "_yield_cpu", seen.append)
+    w = ckpt._ItemWrite.__new__(ckpt._ItemWrite)
+    w.idle_class, w.rows, w.buffers, w.path = True, None, {}, None
+    w.done = threading.Event()
+    w._write({})  # fails at the write (no path): the priority was set first
+    assert seen == [True]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread scheduling classes are Linux's")
+def test_lower_thread_priority_puts_a_thread_in_the_idle_class():
+    got = {}
+
+    def run(idle):
+        ckpt.lower_thread_priority(threading.get_native_id(), idle_class=idle)
+        got[idle] = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    for idle in (False, True):
+        t = threading.Thread(target=run, args=(idle,))
+        t.start()
+        t.join()
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    assert got[False] == (os.SCHED_OTHER, min(19, base + ckpt.BACKGROUND_NICENESS))
+    assert got[True][0] == os.SCHED_IDLE
