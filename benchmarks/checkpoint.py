@@ -25,9 +25,9 @@ file is fsynced (TensorStore, under orbax, syncs each file it writes), the disk 
 directory, and the plain numpy save runs in a thread at the checkpoint writer's priority
 (checkpoint.lower_thread_priority, as the writer of a one-process run). The checkpoint's
 figures include what numpy's do not: the metadata, the CRC-32 of every file (computed after
-the write, checked before the read) and the atomic commit. The restore's tensorstore reads run in tensorstore's
-threads, which an earlier save in the process lowered in priority; numpy's load runs at the
-main thread's.
+the write, checked before the read) and the atomic commit. The restore's tensorstore reads
+run in tensorstore's threads, which an earlier save in the process lowered in priority;
+numpy's load runs at the main thread's.
 """
 
 from __future__ import annotations
