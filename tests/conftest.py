@@ -47,6 +47,12 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core this process may use, at most 4
+    (each worker's MPI tests start up to 4 ranks of 8 forced devices)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
 def token_file(tmp_path_factory):
     from h2jax.data import synthetic_dataset
