@@ -144,8 +144,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
-        q_BSHE = rotary(saved(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), "qkv"), self.theta)
-        k_BSKE = rotary(saved(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), "qkv"), self.theta)
+        # q and k are kept rotated (the same bytes): the attention's backward needs them so, and
+        # the projections' backward needs neither, so nothing recomputes the rotation.
+        q_BSHE = saved(rotary(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), self.theta), "qkv")
+        k_BSKE = saved(rotary(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), self.theta), "qkv")
         v_BSKE = saved(jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...], precision=p), "qkv")
         out_BSHE = saved(causal_attention(q_BSHE, k_BSKE, v_BSKE, self.kernel, p), "attn_out")
         return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...], precision=p)
