@@ -49,6 +49,41 @@ def test_saving_every_step_reuses_the_packed_buffers_and_each_checkpoint_holds_i
                 np.testing.assert_array_equal(a, b)
 
 
+def test_a_save_holds_the_state_without_a_copy_and_training_on_leaves_it_intact(dataset, tmp_path, monkeypatch):  # noqa: F811
+    """The snapshot is the stages' own arrays (no device copy); the next update writes the new
+    state elsewhere instead of donating them, so a write still reading them after training
+    has moved on stores the state of the step it was taken at."""
+    plan = make_plan(TWO)
+    trainer = Trainer(plan, emulate_time=False)
+    train(trainer, dataset, 0, 1)
+    before = trainer.params_numpy()
+    live = {i: _leaves(ex.params) for i, ex in trainer.executors.items()}
+    writer = ckpt.CheckpointWriter(tmp_path)
+    release, taken, real = threading.Event(), [], ckpt.pack_group
+
+    def held_pack(tree, *args, **kw):
+        taken.append(tree)
+        assert release.wait(60)
+        return real(tree, *args, **kw)
+
+    monkeypatch.setattr(ckpt, "pack_group", held_pack)
+    writer.save(1, trainer.executors, ckpt.checkpoint_meta(plan, 1))
+    train(trainer, dataset, 1, 2)  # two updates while the write waits
+    release.set()
+    assert writer.wait() == ckpt.step_dir(tmp_path, 1)
+    writer.close()
+    held = {id(x) for tree in taken for x in _leaves(tree["params"])}
+    assert all(id(x) in held for leaves in live.values() for x in leaves)  # the very arrays, not copies
+    assert all(not x.is_deleted() for leaves in live.values() for x in leaves)
+    fresh = Trainer(plan, emulate_time=False)
+    ckpt.open_checkpoint(tmp_path, plan, step=1).restore_all(fresh.executors.values())
+    got, after = fresh.params_numpy(), trainer.params_numpy()
+    for i in before:
+        for a, b, c in zip(_leaves(before[i]), _leaves(got[i]), _leaves(after[i])):
+            np.testing.assert_array_equal(a, b)
+            assert not np.array_equal(a, c)  # training did move on
+
+
 def _leaves(tree):
     import jax
 

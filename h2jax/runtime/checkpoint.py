@@ -28,9 +28,9 @@ a reader puts the pieces back together.
 Atomic: every process writes its item into `step_N.pending/`; when every process reports its
 item finished, the primary process writes checkpoint.json and renames the directory to
 `step_N` -- one rename, so a checkpoint is visible only when complete and a crash mid-write
-leaves the previous one intact. Asynchronous: `save` returns once the state is copied on its
-devices (one compiled program per stage: the next update donates the live buffers); a
-background thread copies it to the host, packs it (into the previous save's arrays: no page
+leaves the previous one intact. Asynchronous: `save` returns at once, holding the stages' arrays as
+they are (the next update writes the new state to fresh buffers instead of donating these:
+no copy); a background thread copies them to the host, packs it (into the previous save's arrays: no page
 faults) and has orbax write it while training goes on; the primary's commit runs in a thread
 too. The writer and tensorstore's I/O threads run at a lower CPU priority than training
 (`lower_thread_priority`, on Linux; the idle class in a one-process run): on cores training
@@ -52,7 +52,6 @@ import re
 import shutil
 import threading
 import time
-import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -394,8 +393,8 @@ def _checkpointer(collective: bool = False):
 class _ItemWrite:
     """This process's part of one checkpoint, written in a background thread.
 
-    The training thread only snapshots the state (a device-side copy: the next update
-    donates the live buffers); the copy to the host, the packing (one byte array per group),
+    The training thread only hands over the state's arrays (StageExecutor.share_state: no
+    copy); the copy to the host, the packing (one byte array per group),
     orbax's write and the checksums all run off the training thread.
 
     A unit of several processes (one stage spanning processes) writes one item together:
@@ -430,7 +429,7 @@ class _ItemWrite:
                 packed[g], layout[g] = pack_group(tree, None if self.rows is None else self.rows[g],
                                                   self.buffers.pop(g, None))
                 self.buffers[g] = packed[g]
-            del snapshot  # the device copies go as soon as they are on the host
+            del snapshot  # the stages' old state goes as soon as it is on the host
             if self.rows is not None:
                 packed = _rows_array(packed)
             checkpointer = _checkpointer(collective=self.rows is not None)
@@ -542,9 +541,6 @@ def _rows_array(packed: dict[str, np.ndarray]) -> dict[str, jax.Array]:
             for g, row in packed.items()}
 
 
-_SNAPSHOT: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # executor -> compiled copy
-
-
 class CheckpointWriter:
     """Saves the stages this process runs into `directory`, keeping the newest `keep`."""
 
@@ -599,14 +595,11 @@ class CheckpointWriter:
                                                      self._buffers, self.world.writer_idle_class)])
 
     def _snapshot(self, ex) -> dict:
-        """A copy of the stage's state on its devices, in one compiled program (the next
-        update donates the live buffers). (Packing each group on the devices instead, in this
-        program, cost the CPU backend twice the host packing's time: XLA's byte-wise
-        concatenation and the gather of its pieces.)"""
-        if ex not in _SNAPSHOT:
-            shardings = group_trees(ex.param_sharding, ex.opt_sharding)
-            _SNAPSHOT[ex] = jax.jit(lambda t: jax.tree.map(lambda x: x.copy(), t), out_shardings=shardings)
-        return _SNAPSHOT[ex](group_trees(ex.params, ex.opt_state))
+        """The stage's state as it is now, by group: its own arrays, which its next update
+        leaves in place (StageExecutor.share_state), so taking it costs no copy. (Packing each
+        group on the devices instead cost the CPU backend twice the host packing's time: XLA's
+        byte-wise concatenation and the gather of its pieces.)"""
+        return group_trees(*ex.share_state())
 
     def _local_done(self) -> bool:
         step, _, writes = self._pending

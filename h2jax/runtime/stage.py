@@ -318,11 +318,12 @@ class StageExecutor:
             )
             return params, opt_state, _zeros_f32(acc)
 
-        self._update = jax.jit(
-            update,
-            donate_argnums=(0, 1, 2),
-            out_shardings=(self.param_sharding, self.opt_sharding, self.param_sharding),
-        )
+        state_out = (self.param_sharding, self.opt_sharding, self.param_sharding)
+        self._update = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=state_out)
+        # After `share_state`, one update leaves the parameters and optimizer state where
+        # they are (writing the new ones to fresh buffers): the shared arrays stay valid.
+        self._update_keeping_state = jax.jit(update, donate_argnums=(2,), out_shardings=state_out)
+        self._state_shared = False
 
     def compiled_memory(self) -> StageMemory | None:
         """Compile forward, backward and update ahead of time for this stage's exact input
@@ -412,9 +413,18 @@ class StageExecutor:
 
     def update(self, global_norm: float) -> None:
         """One optimizer step with the gradients accumulated since the last one."""
+        program = self._update_keeping_state if self._state_shared else self._update
+        self._state_shared = False
         self.params, self.opt_state, self.grad_acc = self._run(
-            self._update, self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
+            program, self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
         )
+
+    def share_state(self) -> tuple[dict, Any]:
+        """(parameters, optimizer state) as they are now, valid for as long as the caller
+        holds them: the next update writes the new state to fresh buffers instead of donating
+        these (a checkpoint's snapshot without a copy: the update writes every byte anyway)."""
+        self._state_shared = True
+        return self.params, self.opt_state
 
 
     def put_input(self, x: np.ndarray):
