@@ -13,7 +13,7 @@ which would flatter saving), and each side's figure is the median step. Save and
 throughput are medians of `--rounds` rounds, each side by side with plain numpy.
 
 Where a saving step's extra time goes is reported too: the training thread's own part of a
-save (snapshot on the devices, starting the writer) and its wait for the previous checkpoint's
+save (handing the state to the writer, starting it) and its wait for the previous checkpoint's
 write (one checkpoint in flight at a time), the background write's own time, and the CPU
 time the write takes from the cores training runs on: the writer thread's own and
 tensorstore's I/O threads' (from /proc/self/task, Linux), with the process's CPU per step
