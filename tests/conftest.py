@@ -50,7 +50,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per core this process may use, at most 4
     (each worker's MPI tests start up to 4 ranks of 8 forced devices)."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(4, cores)
 
 
 @pytest.fixture(scope="session")

@@ -28,13 +28,13 @@ a reader puts the pieces back together.
 Atomic: every process writes its item into `step_N.pending/`; when every process reports its
 item finished, the primary process writes checkpoint.json and renames the directory to
 `step_N` -- one rename, so a checkpoint is visible only when complete and a crash mid-write
-leaves the previous one intact. Asynchronous: `save` returns at once, holding the stages' arrays as
-they are (the next update writes the new state to fresh buffers instead of donating these:
-no copy); a background thread copies them to the host, packs it (into the previous save's arrays: no page
-faults) and has orbax write it while training goes on; the primary's commit runs in a thread
-too. The writer and tensorstore's I/O threads run at a lower CPU priority than training
-(`lower_thread_priority`, on Linux; the idle class in a one-process run): on cores training
-keeps busy, the write takes the idle time.
+leaves the previous one intact. Asynchronous: `save` returns at once, holding the stages'
+arrays as they are (their next update writes the new state to fresh buffers instead of
+donating these: no copy); a background thread copies them to the host, packs them (into the
+previous save's arrays: no page faults) and has orbax write them while training goes on; the
+primary's commit runs in a thread too. The writer and tensorstore's I/O threads run at a
+lower CPU priority than training (`lower_thread_priority`, on Linux; the idle class in a
+one-process run): on cores training keeps busy, the write takes the idle time.
 
 Everything a resume needs is checked by `open_checkpoint` before any stage compiles: the
 format, the model config, the data settings, that each needed item exists, and the size and
@@ -394,8 +394,8 @@ class _ItemWrite:
     """This process's part of one checkpoint, written in a background thread.
 
     The training thread only hands over the state's arrays (StageExecutor.share_state: no
-    copy); the copy to the host, the packing (one byte array per group),
-    orbax's write and the checksums all run off the training thread.
+    copy); the copy to the host, the packing (one byte array per group), orbax's write and
+    the checksums all run off the training thread.
 
     A unit of several processes (one stage spanning processes) writes one item together:
     each group is a [processes, row] byte array whose row k process k packs from its shards
@@ -571,8 +571,9 @@ class CheckpointWriter:
         return None if self._pending is None else self._pending[0]
 
     def save(self, step: int, executors: Mapping[int, Any], meta: dict) -> None:
-        """Start writing checkpoint `step` of `executors`' state (returns once it is
-        snapshotted on the devices). `meta` (see checkpoint_meta) is written by the primary."""
+        """Start writing checkpoint `step` of `executors`' state (returns once the previous
+        checkpoint is written and the stages' arrays are handed to the writer). `meta` (see
+        checkpoint_meta) is written by the primary."""
         self.settle()  # one checkpoint in flight at a time
         if not executors:
             raise ValueError("nothing to save: no stages")

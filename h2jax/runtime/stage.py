@@ -156,6 +156,7 @@ class StageExecutor:
         self.labels_sharding = named(self.mesh, TOKENS_AXES)
         self.boundary_sharding = named(self.mesh, BOUNDARY_AXES)
         self._hidden_sharding = named(self.mesh, HIDDEN_AXES)
+        self._state_shared = False  # whether share_state handed out the current state (see update)
         self._piece_order = (["embed"] if self.is_first else []) + [layer_name(i) for i in range(start, end)] + (
             ["head"] if self.is_last else [])
         self._compile()
@@ -323,7 +324,6 @@ class StageExecutor:
         # After `share_state`, one update leaves the parameters and optimizer state where
         # they are (writing the new ones to fresh buffers): the shared arrays stay valid.
         self._update_keeping_state = jax.jit(update, donate_argnums=(2,), out_shardings=state_out)
-        self._state_shared = False
 
     def compiled_memory(self) -> StageMemory | None:
         """Compile forward, backward and update ahead of time for this stage's exact input
