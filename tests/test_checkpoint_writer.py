@@ -27,6 +27,28 @@ def test_pack_group_fills_the_array_it_is_given_when_the_length_fits():
     assert other is not wrong and other.shape == fresh.shape
 
 
+def test_a_sharded_array_packs_as_its_replica_0_shards_and_unpacks_whole():
+    """Each shard of replica 0 is one piece (copied from its device buffer, no assembled
+    copy of the array); a replicated array is one piece; unpack puts them back together."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    values = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    tree = {"split": jax.device_put(values, NamedSharding(mesh, P("tensor", None))),  # replicated over data
+            "both": jax.device_put(values, NamedSharding(mesh, P("data", "tensor"))),
+            "whole": jax.device_put(values, NamedSharding(mesh, P()))}
+    for _ in range(2):  # the second time from the cached choice of shards
+        boxes = {k: sorted(box for box, _ in ckpt._parts(x)) for k, x in tree.items()}
+        assert boxes["split"] == [[[0, 4], [0, 6]], [[4, 8], [0, 6]]]
+        assert boxes["both"] == [[[0, 4], [0, 3]], [[0, 4], [3, 6]], [[4, 8], [0, 3]], [[4, 8], [3, 6]]]
+        assert boxes["whole"] == [[[0, 8], [0, 6]]]
+        packed, layout = ckpt.pack_group(tree)
+        for entry in layout:
+            got = ckpt.unpack_leaf(entry["path"], values, [(layout, packed)], "test")
+            np.testing.assert_array_equal(got, values)
+
+
 def test_saving_every_step_reuses_the_packed_buffers_and_each_checkpoint_holds_its_step(dataset, tmp_path):  # noqa: F811
     plan = make_plan(TWO)
     trainer = Trainer(plan, emulate_time=False)

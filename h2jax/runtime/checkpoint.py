@@ -171,13 +171,34 @@ def _path_name(path) -> str:
 
 def _parts(x) -> list[tuple[list[list[int]], Any]]:
     """The parts of array `x` this process writes, as ([[start, stop] per dimension], array):
-    the whole array when this process holds all of it, else its shards of replica 0 (each
-    shard of a multi-process stage lies on exactly one process as replica 0). Known without
+    the whole array when one device's buffer holds all of it (one device, or replicated on
+    this process's devices), else its shards of replica 0, each a piece of its own (each
+    shard of a multi-process stage lies on exactly one process as replica 0). A shard's
+    piece is one copy from its device buffer (on the CPU backend, from a view of it):
+    assembling a sharded array first (numpy's view of a jax.Array) allocated a fresh array
+    every save and copied twice. With the shard choice cached (_replica0_shards), packing the
+    `small` model's 18.8 MiB takes 22-23 ms of CPU a save, 34-40 ms before. Known without
     waiting for the values."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    if not isinstance(x, jax.Array) or (x.is_fully_addressable and (len(x.devices()) == 1 or x.is_fully_replicated)):
         return [([[0, d] for d in np.shape(x)], x)]
-    return [([[s.start or 0, d if s.stop is None else s.stop] for s, d in zip(shard.index, x.shape)], shard.data)
-            for shard in x.addressable_shards if shard.replica_id == 0]
+    return [(box, x.addressable_data(k)) for k, box in _replica0_shards(x.sharding, x.shape, x)]
+
+
+_REPLICA0: dict = {}  # (sharding, shape) -> [(k, box)]: which shards _parts takes, by sharding
+
+
+def _replica0_shards(sharding, shape, x) -> list[tuple[int, list[list[int]]]]:
+    """[(k, box)] of the shards of replica 0 among this process's shards of arrays of `shape`
+    laid out by `sharding`: x.addressable_data(k) is that shard. The same for every array of
+    that sharding and shape, so worked out once (x.addressable_shards builds a Shard object a
+    device each time: ~50 us an array)."""
+    key = (sharding, tuple(shape))
+    got = _REPLICA0.get(key)
+    if got is None:
+        got = _REPLICA0[key] = [
+            (k, [[s.start or 0, d if s.stop is None else s.stop] for s, d in zip(shard.index, shape)])
+            for k, shard in enumerate(x.addressable_shards) if shard.replica_id == 0]
+    return got
 
 
 def _aligned(nbytes: int) -> int:
