@@ -24,7 +24,7 @@ Both sides pay the same costs: the arrays start on the stages' devices and end t
 file is fsynced (TensorStore, under orbax, syncs each file it writes), the disk is the same
 directory, and the plain numpy save runs in a thread at the checkpoint writer's priority
 (checkpoint.lower_thread_priority, as the writer of a one-process run). The checkpoint's
-figures include what numpy's do not: the metadata, the CRC-32 of every file (computed after
+figures include what numpy's do not: the metadata, the CRC-32C of every file (computed after
 the write, checked before the read) and the atomic commit. The restore's tensorstore reads
 run in tensorstore's threads, which an earlier save in the process lowered in priority;
 numpy's load runs at the main thread's.
@@ -164,7 +164,7 @@ def main() -> None:
         plain_save_s.append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
-        checkpoint = ckpt.open_checkpoint(d, plan)  # checks every file's size and CRC-32
+        checkpoint = ckpt.open_checkpoint(d, plan)  # checks every file's size and CRC-32C
         checkpoint.restore_all(trainer.executors.values())  # as h2jax run --resume does
         jax.block_until_ready([(ex.params, ex.opt_state) for ex in trainer.executors.values()])
         restore_s.append(time.perf_counter() - t0)

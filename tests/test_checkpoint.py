@@ -187,6 +187,38 @@ def test_corrupted_array_file_is_named(copy):
         ckpt.open_checkpoint(copy, make_plan(TWO))
 
 
+def _rewrite_manifest(directory, change):
+    manifest = ckpt.step_dir(directory, 3) / ("layers_000-003" + ckpt.MANIFEST)
+    data = json.loads(manifest.read_text())
+    change(data, manifest.with_suffix(""))
+    manifest.write_text(json.dumps(data))
+    return manifest
+
+
+def test_a_checkpoint_of_crc32_sums_still_reads_and_its_corruption_is_named(copy):
+    """Manifests written before CRC-32C name no checksum and hold zlib CRC-32s: still checked."""
+    import zlib
+
+    def to_crc32(data, item):
+        del data["checksum"]
+        data["files"] = {rel: [size, zlib.crc32((item / rel).read_bytes())] for rel, (size, _) in data["files"].items()}
+
+    _rewrite_manifest(copy, to_crc32)
+    ckpt.open_checkpoint(copy, make_plan(TWO))  # verifies every file: no error
+    path = _array_file(copy)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=f"{path}: corrupted: its CRC32 differs"):
+        ckpt.open_checkpoint(copy, make_plan(TWO))
+
+
+def test_an_unknown_checksum_is_named(copy):
+    manifest = _rewrite_manifest(copy, lambda data, item: data.update(checksum="sha3"))
+    with pytest.raises(ckpt.CheckpointError, match=f"{manifest}: checksum 'sha3' unknown"):
+        ckpt.open_checkpoint(copy, make_plan(TWO))
+
+
 def test_truncated_array_file_is_named(copy):
     path = _array_file(copy)
     os.truncate(path, path.stat().st_size // 2)

@@ -9,7 +9,7 @@ Layout of a checkpoint directory D:
     D/step_000006/layers_000-003.manifest  are global group names (`embed`, `layer_000`, ...,
                                          `head`), each ONE byte array: the group's parameters
                                          and optimizer state packed; .manifest: where each
-                                         array lies in it, each file's size and CRC-32
+                                         array lies in it, each file's size and CRC-32C
     D/step_000009.pending/               a checkpoint being written: never read
 
 A group holds one layer's parameters and its optimizer state (the moments of that layer's
@@ -38,7 +38,7 @@ one-process run): on cores training keeps busy, the write takes the idle time.
 
 Everything a resume needs is checked by `open_checkpoint` before any stage compiles: the
 format, the model config, the data settings, that each needed item exists, and the size and
-CRC-32 of every file of the items the process will read. Any failure is one `CheckpointError`
+CRC-32C of every file of the items the process will read. Any failure is one `CheckpointError`
 that names the file and the cause.
 """
 
@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
 
+import crc32c
 import jax
 import numpy as np
 
@@ -290,22 +291,30 @@ def unpack_leaf(path: str, want, found: list[tuple[dict, np.ndarray]], where: st
 # ----------------------------------------------------------------------------- file checks
 
 
-def _crc32(path: Path) -> int:
+# The checksum of every file of an item, by the name its manifest records it under. CRC-32C
+# (hardware instructions where the CPU has them: ~2 ms for the `small` model's 18.8 MiB, where
+# zlib's CRC-32 took ~10 ms of the writer's CPU a save); CRC-32 is read for the checkpoints
+# written before (their manifests name no checksum).
+CHECKSUM = "crc32c"
+_CHECKSUMS = {"crc32c": crc32c.crc32c, "crc32": zlib.crc32}
+
+
+def _checksum(path: Path, kind: str = CHECKSUM) -> int:
     # Over a memory map of the file: no copy of its bytes (half the CPU of reading it in chunks).
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            return 0
+            return _CHECKSUMS[kind](b"")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return zlib.crc32(m)
+            return _CHECKSUMS[kind](m)
 
 
 def file_sums(item_dir: Path) -> dict[str, list[int]]:
-    """{path relative to the item: [size, crc32]} for every file of an orbax item."""
+    """{path relative to the item: [size, CHECKSUM]} for every file of an orbax item."""
     out = {}
     for root, _, files in os.walk(item_dir):
         for f in files:
             p = Path(root) / f
-            out[str(p.relative_to(item_dir))] = [p.stat().st_size, _crc32(p)]
+            out[str(p.relative_to(item_dir))] = [p.stat().st_size, _checksum(p)]
     return out
 
 
@@ -461,7 +470,8 @@ class _ItemWrite:
             me = jax.process_index()
             if me == 0:
                 _write_json(self.path.with_name(self.path.name + MANIFEST),
-                            {"processes": jax.process_count(), "groups": layout, "files": file_sums(self.path)},
+                            {"processes": jax.process_count(), "groups": layout, "checksum": CHECKSUM,
+                             "files": file_sums(self.path)},
                             indent=None)
             else:
                 _write_json(_layout_file(self.path, me), {"groups": layout}, indent=None)
@@ -779,7 +789,7 @@ class Checkpoint:
 
     path: Path
     meta: dict
-    # item -> {"files": {file: [size, crc32]}, "layouts": [each writing process's {group: layout}]},
+    # item -> {"files": {file: [size, checksum]}, "checksum": its kind, "layouts": [each writing process's {group: layout}]},
     # for the items read
     manifests: dict[str, dict]
 
@@ -911,7 +921,7 @@ def open_checkpoint(
         raise CheckpointError(f"{where}: holds no {', '.join(absent)}, which {path / META} places there")
     if verify:
         for item in items:
-            _verify_item(path / item, manifests[item]["files"])
+            _verify_item(path / item, manifests[item]["files"], manifests[item]["checksum"])
     return Checkpoint(path, meta, manifests)
 
 
@@ -939,13 +949,17 @@ def _read_manifest(item: Path) -> dict:
     if not isinstance(manifest.get("groups"), dict) or not isinstance(manifest.get("files"), dict) \
             or not isinstance(processes, int) or processes < 1:
         raise CheckpointError(f"{manifest_file}: fields 'processes', 'groups' and 'files' expected")
+    checksum = manifest.get("checksum", "crc32")  # written before CRC-32C: CRC-32
+    if checksum not in _CHECKSUMS:
+        raise CheckpointError(f"{manifest_file}: checksum {checksum!r} unknown (one of {sorted(_CHECKSUMS)}): "
+                              f"written by a newer h2jax?")
     layouts = [manifest["groups"]]
     for k in range(1, processes):
         layout = _read_json(_layout_file(item, k), f"the layout process {k} of {item.name}'s stage wrote")
         if not isinstance(layout.get("groups"), dict):
             raise CheckpointError(f"{_layout_file(item, k)}: field 'groups' expected")
         layouts.append(layout["groups"])
-    return {"files": manifest["files"], "layouts": layouts}
+    return {"files": manifest["files"], "checksum": checksum, "layouts": layouts}
 
 
 def _check_meta(where: Path, meta: dict, plan: Plan) -> None:
@@ -976,8 +990,8 @@ def _check_meta(where: Path, meta: dict, plan: Plan) -> None:
         raise CheckpointError(f"{where}: holds no {', '.join(missing)}")
 
 
-def _verify_item(item_dir: Path, sums: dict[str, list[int]]) -> None:
-    """Size and CRC-32 of every file of an item, against those recorded when it was written."""
+def _verify_item(item_dir: Path, sums: dict[str, list[int]], checksum: str = CHECKSUM) -> None:
+    """Size and checksum of every file of an item, against those recorded when it was written."""
     for rel, (size, crc) in sorted(sums.items()):
         p = item_dir / rel
         if not p.is_file():
@@ -985,8 +999,8 @@ def _verify_item(item_dir: Path, sums: dict[str, list[int]]) -> None:
         actual = p.stat().st_size
         if actual != size:
             raise CheckpointError(f"{p}: truncated or overwritten: {actual} bytes, {size} when written")
-        if _crc32(p) != crc:
-            raise CheckpointError(f"{p}: corrupted: CRC-32 differs from the one recorded when written")
+        if _checksum(p, checksum) != crc:
+            raise CheckpointError(f"{p}: corrupted: its {checksum.upper()} differs from the one recorded when written")
 
 
 # ----------------------------------------------------------------------------- a training run's checkpoints
