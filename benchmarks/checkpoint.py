@@ -17,8 +17,9 @@ save (handing the state to the writer, starting it) and its wait for the previou
 write (one checkpoint in flight at a time), the background write's own time, and the CPU
 time the write takes from the cores training runs on: the writer thread's own and
 tensorstore's I/O threads' (from /proc/self/task, Linux), with the process's CPU per step
-with and without saving. /proc/loadavg before and after is recorded: on a shared machine
-the figures move with it.
+with and without saving. /proc/loadavg before and after is recorded, and the share of the
+CPU time the virtual machine's host took for others during the run (/proc/stat's steal): on
+a shared machine the figures move with both.
 
 Both sides pay the same costs: the arrays start on the stages' devices and end there, every
 file is fsynced (TensorStore, under orbax, syncs each file it writes), the disk is the same
@@ -100,6 +101,24 @@ def _loadavg() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(all, stolen) CPU ticks of the machine so far (/proc/stat, Linux): on a virtual machine,
+    "steal" is the time the host gave this machine's CPUs to others."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
+
+
+def _stolen(before, after) -> float | None:
+    """The fraction of the machine's CPU time the host took for others between two readings."""
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return round((after[1] - before[1]) / (after[0] - before[0]), 4)
+
+
 def _plain_load(arrays: dict, directory: Path) -> dict:
     import jax
 
@@ -124,7 +143,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8, help="blocks of steps with and without saving, alternating")
     ap.add_argument("--steps", type=int, default=6, help="steps per block")
     args = ap.parse_args()
-    load_before = _loadavg()
+    load_before, ticks_before = _loadavg(), _cpu_ticks()
 
     import jax
 
@@ -235,6 +254,7 @@ def main() -> None:
         "rounds": args.rounds, "blocks": args.blocks, "steps_per_block": args.steps,
         "steps_timed": {"no_saving": len(plain_steps), "saving": len(saving_steps)},
         "loadavg_before_after": [load_before, _loadavg()],
+        "cpu_stolen_by_the_host": _stolen(ticks_before, _cpu_ticks()),
         "cpu_cores": os.cpu_count(),
         "goals": {"save_vs_plain": ">= 0.7", "restore_vs_plain": ">= 0.7", "save_every_step_overhead": "<= 0.05"},
     }
