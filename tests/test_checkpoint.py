@@ -178,11 +178,15 @@ def test_another_model_config_is_refused(copy):
         ckpt.open_checkpoint(copy, other)
 
 
+def _flip_a_byte(path, where: float, bits: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= bits
+    path.write_bytes(bytes(data))
+
+
 def test_corrupted_array_file_is_named(copy):
     path = _array_file(copy)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    _flip_a_byte(path, 0.5, 0xFF)
     with pytest.raises(ckpt.CheckpointError, match=f"{path}: corrupted"):
         ckpt.open_checkpoint(copy, make_plan(TWO))
 
@@ -206,9 +210,7 @@ def test_a_checkpoint_of_crc32_sums_still_reads_and_its_corruption_is_named(copy
     _rewrite_manifest(copy, to_crc32)
     ckpt.open_checkpoint(copy, make_plan(TWO))  # verifies every file: no error
     path = _array_file(copy)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 3] ^= 0x01
-    path.write_bytes(bytes(data))
+    _flip_a_byte(path, 1 / 3, 0x01)
     with pytest.raises(ckpt.CheckpointError, match=f"{path}: corrupted: its CRC32 differs"):
         ckpt.open_checkpoint(copy, make_plan(TWO))
 
