@@ -12,7 +12,7 @@ from h2jax.cluster import ChipGroup, ChipType, Cluster
 from h2jax.config import get_config
 from h2jax.planner import PlannerError, plan_cluster, top_k
 from h2jax.planner import cost_model as cm
-from h2jax.planner.memory_model import GIB
+from h2jax.planner.memory_model import GIB, StageMemoryTerms
 
 # Two big layers (about 14 GB of parameters, gradients and optimizer state each): the old
 # cap's slack, floor(room / per_layer + 1e-9), spans 14 bytes of such a layer.
@@ -73,7 +73,23 @@ def test_max_layers_is_the_largest_count_that_fits_at_every_position():
     mem = one_stage_memory(200.0)
     at = dataclasses.replace(mem, in_flight=np.array([1.0, 2.0, 3.5, 8.0]))
     caps = at.max_layers()
+    np.testing.assert_array_equal(mem.max_layers(at.in_flight), caps)  # the terms at other counts, unbuilt
     for f, cap in zip(at.in_flight, caps):
         one = dataclasses.replace(mem, in_flight=float(f))
-        assert one.max_layers() == cap
+        assert one.max_layers() == cap == mem.max_layers(float(f))  # one stage: Python floats, same answer
         assert one.fits(cap) and not one.fits(cap + 1)
+    # at the boundary and around it, both paths agree with the fit test to the byte
+    for gib in (boundary_gib(), math.nextafter(boundary_gib(), 0.0), 1e-3):
+        one = one_stage_memory(gib)
+        n = one.max_layers()
+        assert n == int(one.max_layers(np.array([one.in_flight]))[0])
+        assert (n < 0 or one.fits(n)) and not one.fits(max(n, 0) + 1)
+    # the quotient room / per_layer rounds over (9.45... * 50 > 472.6...) and under
+    # (9.42... * 56 <= 527.9...): `fits` decides, on both paths
+    for per_layer, capacity, most in ((9.452342465006595, 472.6171232503297, 49),
+                                      (9.427965281195137, 527.9660557469276, 56)):
+        edge = StageMemoryTerms(per_layer, 0.0, 1.0, 0.0, 0.0, 0.0, capacity)
+        assert edge.max_layers() == most == int(edge.max_layers(np.array([1.0]))[0])
+        assert edge.fits(most) and not edge.fits(most + 1)
+    d = int(mem.layer_static / mem.layer_deferred)  # deferred gradients worth a layer's static bytes
+    assert mem.max_layers(1.0, deferred=d) == dataclasses.replace(mem, deferred=d).max_layers(1.0) < mem.max_layers(1.0)

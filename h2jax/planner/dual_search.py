@@ -68,6 +68,16 @@ class _Batch:
     steady_max: np.ndarray  # (K,) per steady component: every shape holds all L layers under it
     steady_weight: float = math.nan  # each steady component's weight (m - 1 under 1F1B)
     rows: int = 0  # bound rows evaluated, for SearchStats
+    staged: dict = dataclasses.field(default_factory=dict)  # (id of a shape, k) -> its option of k stages
+    fits: dict = dataclasses.field(default_factory=dict)  # a box's upper corner (bytes) -> 1 if it holds L layers, else 0
+
+    def with_stages(self, option, k: int):
+        """The shape `option` (one of the tables') with k stages, made once."""
+        key = (id(option), k)
+        out = self.staged.get(key)
+        if out is None:
+            out = self.staged[key] = dataclasses.replace(option, stages=k)
+        return out
 
     @property
     def lists(self) -> int:
@@ -138,7 +148,10 @@ def _lagrangian_rows(batch: _Batch, L: int, corners: np.ndarray, box: np.ndarray
         sl = slice(start, start + MAX_ROWS)
         used = np.unique(box[sl])
         where = np.searchsorted(used, box[sl])
-        out[sl] = pos.lagrangian(batch.tables, L, corners[used, :-1], corners[used, -1], where, lams[sl])
+        keys = [corners[i].tobytes() for i in used]
+        fits = np.array([batch.fits.get(k, -1) for k in keys], dtype=np.int8)
+        out[sl] = pos.lagrangian(batch.tables, L, corners[used, :-1], corners[used, -1], where, lams[sl], fits)
+        batch.fits.update(zip(keys, fits.tolist()))
     return out
 
 
@@ -280,7 +293,7 @@ class _Enumerator:
         self.solved.add(key)
         if self.leaves_left is not None:
             self.leaves_left -= 1
-        chosen = [dataclasses.replace(self.tables[t].options[s], stages=k) for t, s, k in blocks]
+        chosen = [self.batch.with_stages(self.tables[t].options[s], k) for t, s, k in blocks]
         solve(self.ctx, self.batch.b, chosen, self.top, self.stats)
 
 

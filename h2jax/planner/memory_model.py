@@ -43,6 +43,7 @@ A measured profile's `activation_bytes` replaces A(n) when it has the shape and 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -118,7 +119,10 @@ class StageMemoryTerms:
     @property
     def per_layer(self) -> float:
         """Bytes per layer: static, in-flight activations and deferred-W gradients."""
-        return self.layer_static + self.in_flight * self.layer_activation + self.deferred * self.layer_deferred
+        return self._per_layer(self.in_flight, self.deferred)
+
+    def _per_layer(self, in_flight, deferred):
+        return self.layer_static + in_flight * self.layer_activation + deferred * self.layer_deferred
 
     def activation_bytes(self, n_layers: int) -> int:
         """One micro-batch's residuals: its layers' and, on the last stage, the head's."""
@@ -131,25 +135,42 @@ class StageMemoryTerms:
     def total_bytes(self, n_layers: int) -> float:
         return self.per_layer * n_layers + self._fixed()
 
-    def _fixed(self):
+    def _fixed(self, in_flight=None):
         """The bytes that do not grow with the stage's layers."""
-        return self.params_end + self.in_flight * self.end_activation + self.working + self.reserve
+        in_flight = self.in_flight if in_flight is None else in_flight
+        return self.params_end + in_flight * self.end_activation + self.working + self.reserve
 
     def fits(self, n_layers):
         """THE fit test, the one the search, the exhaustive reference and `predict` share: the
         stage's bytes with n_layers layers within the chip's capacity (elementwise for arrays)."""
-        return self.total_bytes(n_layers) <= self.capacity
+        return self._within(n_layers, self.per_layer, self._fixed())
 
-    def max_layers(self):
-        """Most layers that pass `fits` (may be <= 0: not even one layer fits); elementwise
+    def _within(self, n_layers, per_layer, fixed):
+        return per_layer * n_layers + fixed <= self.capacity
+
+    def max_layers(self, in_flight=None, deferred=None):
+        """Most layers that pass `fits` (may be <= 0: not even one layer fits), with this
+        stage's in-flight micro-batches and deferred gradients, or the `in_flight` / `deferred`
+        given (the same terms at another pipeline position, without building them); elementwise
         (an int64 array) when `in_flight` is an array, e.g. one value per pipeline position.
-        The quotient room / per_layer is within one of it; `fits` decides the last layer."""
-        room = self.capacity - self._fixed()
-        n = np.floor(np.maximum(room, 0.0) / self.per_layer)
+        The quotient room / per_layer is within one of it; `fits`' bytes decide the last layer."""
+        in_flight = self.in_flight if in_flight is None else in_flight
+        per_layer = self._per_layer(in_flight, self.deferred if deferred is None else deferred)
+        fixed = self._fixed(in_flight)
+        room = self.capacity - fixed
+        if np.ndim(room) == 0 and per_layer > 0:  # one stage: the same arithmetic on Python floats
+            room, per_layer = float(room), float(per_layer)
+            n = math.floor(max(room, 0.0) / per_layer)
+            for _ in range(2):
+                n = n if self._within(n, per_layer, fixed) else n - 1
+            for _ in range(2):
+                n = n + 1 if self._within(n + 1, per_layer, fixed) else n
+            return -1 if room < 0 else int(n)
+        n = np.floor(np.maximum(room, 0.0) / per_layer)
         for _ in range(2):
-            n = np.where(self.fits(n), n, n - 1)
+            n = np.where(self._within(n, per_layer, fixed), n, n - 1)
         for _ in range(2):
-            n = np.where(self.fits(n + 1), n + 1, n)
+            n = np.where(self._within(n + 1, per_layer, fixed), n + 1, n)
         n = np.where(room < 0, -1, n).astype(np.int64)
         return int(n) if n.ndim == 0 else n
 

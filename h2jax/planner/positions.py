@@ -102,8 +102,7 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
                 steady_end[:, role, i] = [np.dot(k, ends) for k in form.steady]
                 end_tail[role, i] = t.tail_end
                 # the fit test's caps at each position's in-flight count (no deferred-W gradients)
-                at = dataclasses.replace(t.mem, in_flight=in_flight, deferred=0)
-                memcap[role, i] = np.minimum(at.max_layers(), L)
+                memcap[role, i] = np.minimum(t.mem.max_layers(in_flight, deferred=0), L)
                 if role == MID:
                     layer = np.array([t.fwd_layer, t.bwd_layer, t.bwd_weight_layer])
                     a[i] = scale * min(np.dot(form.fill, layer), np.dot(form.fill_last, layer))
@@ -279,14 +278,13 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
             if not masks:
                 continue
             table, w = tables[t], ws[t]
-            H = np.empty((len(masks), R, table.size, L))  # H[q], q = 0..L-1 stages behind
-            if level == 0:
-                H[0, ..., 0] = w.last1 - w.Wm[..., 1]
-                H[0, ..., 1:] = np.inf
+            if level == 0:  # the block is the last: H is finite at q = 0 only, M its value up to k_max
+                M = np.where(np.arange(L) < table.k_max[:, None], (w.last1 - w.Wm[..., 1])[..., None], np.inf)[None]
             else:
+                H = np.empty((len(masks), R, table.size, L))  # H[q], q = 0..L-1 stages behind
                 H[..., 0] = np.inf
                 H[..., 1:] = np.stack([F[S] for S in masks])[:, :, None, 1:L] - w.Wm[None, ..., 1:L]
-            M = _window_min(H, table.k_max)  # (n, R, S, L): q' = 1..L, k <= k_max stages
+                M = _window_min(H, table.k_max)  # (n, R, S, L): q' = 1..L, k <= k_max stages
             ans = np.minimum(ans, (as_front[t] + M[..., 1:]).min(axis=(0, 2, 3), initial=np.inf))
             if level == 0:
                 ans = np.minimum(ans, w.only1.min(axis=1))
@@ -354,19 +352,23 @@ def max_layers(live: Sequence[tuple[TypeTable, np.ndarray]], L: int) -> np.ndarr
 
 
 def lagrangian(
-    tables: Sequence[TypeTable], L: int, V: np.ndarray, tau: np.ndarray, box: np.ndarray, lams: np.ndarray
+    tables: Sequence[TypeTable], L: int, V: np.ndarray, tau: np.ndarray, box: np.ndarray, lams: np.ndarray,
+    fits: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per row r: lams[r] * L + min over stage lists of sum_i w_i(lams[r]) at the thresholds
     (V, tau)[box[r]]: a lower bound on the fill of every plan with steady <= V and tail <= tau;
     inf where no stage list holds the L layers under them. One DP: the rows, then one
-    capacity row per box."""
+    capacity row per box whose `fits` (per box: 1 holds L layers, 0 does not, -1 unknown;
+    default unknown) is not known; `fits` is filled in."""
     live = live_tables(tables, V, tau)  # caps per box
     box = np.asarray(box, dtype=np.int64)
     R, B = len(box), len(V)
-    rows = np.concatenate([box, np.arange(B)])
-    lam_rows = np.concatenate([np.asarray(lams, dtype=float), np.zeros(B)])
-    capacity = np.arange(R + B) >= R
+    fits = np.full(B, -1, dtype=np.int8) if fits is None else fits
+    unknown = np.nonzero(fits < 0)[0]
+    rows = np.concatenate([box, unknown])
+    lam_rows = np.concatenate([np.asarray(lams, dtype=float), np.zeros(len(unknown))])
+    capacity = np.arange(len(rows)) >= R
     ws = [weights(t, u, lam_rows, rows, capacity) for t, u in live]
-    dp = back_dp([t for t, _ in live], ws, L, R + B)
-    fits = -dp[R:] >= L
-    return np.where(fits[box], lam_rows[:R] * L + dp[:R], np.inf)
+    dp = back_dp([t for t, _ in live], ws, L, len(rows))
+    fits[unknown] = -dp[R:] >= L
+    return np.where(fits[box] > 0, lam_rows[:R] * L + dp[:R], np.inf)

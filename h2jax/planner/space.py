@@ -46,7 +46,7 @@ class Option:
     def max_layers(self, in_flight):
         """Most layers a middle stage holds with `in_flight` micro-batches (elementwise for an
         array); an end stage, or one with deferred weight gradients, holds no more (a bound)."""
-        return dataclasses.replace(self.mem, in_flight=in_flight).max_layers()
+        return self.mem.max_layers(in_flight)
 
     @property
     def fill(self) -> float:
@@ -250,10 +250,11 @@ class Context:
                     for r in self.recompute:
                         probe = Option(name, 1, d, t, r, 0.0)
                         mid = self.terms(b, probe, False, False, 1)
-                        if prune_unfit and mid.mem.max_layers() < 1:
+                        most = mid.mem.max_layers()
+                        if prune_unfit and most < 1:
                             continue
                         c = mid.fwd_layer + mid.bwd_layer
-                        cap1 = min(L, mid.mem.max_layers())
+                        cap1 = min(L, most)
                         fill = min(self.fill_terms(mid, False)[0], self.fill_terms(mid, True)[0])
                         opts.append(Option(
                             name, min(L, count // (d * t)), d, t, r, c, mid.mem, cap1, mid.tail_layer, fill,

@@ -306,13 +306,13 @@ def _leaf_bound(
     """Like `envelope_bound` for a complete stage list, with each position's in-flight memory
     cap and the end stages' embedding/logits time (e: in the steady state, g: in the fill):
     cheaper than building the leaf."""
-    shapes = [o for o in chosen for _ in range(o.stages)]
-    p = len(shapes)
-    c = np.array([o.layer_s for o in shapes])
-    cf = np.array([o.fill for o in shapes])
+    ks = [o.stages for o in chosen]
+    p = sum(ks)
     caps = np.minimum(ctx.position_caps(chosen, m), L - p + 1)
     if caps.min() < 1 or caps.sum() < L:
         return math.inf
+    c = np.repeat([o.layer_s for o in chosen], ks)
+    cf = np.repeat([o.fill for o in chosen], ks)
     e = np.zeros(p)
     e[0] += e_first
     e[-1] += e_last
@@ -320,27 +320,24 @@ def _leaf_bound(
     # share c and e (a block's inner stages; each end stage alone) up to the group's largest
     # cap: a superset of the breakpoints, so the least one that holds L layers is the same
     runs, start = [], 0
-    for o in chosen:
-        inner = [x for x in range(start, start + o.stages) if 0 < x < p - 1]
-        groups = [inner] + [[x] for x in range(start, start + o.stages) if x in (0, p - 1)]
-        for g in groups:
-            if g:
-                runs.append(c[g[0]] * np.arange(1, caps[g].max() + 1) + e[g[0]])
-        start += o.stages
-    values = np.unique(np.concatenate(runs))
-    held = lambda v: np.minimum(caps, np.floor((v - e) / c + 1e-9)).clip(min=0).sum()  # noqa: E731
-    lo, hi = 0, len(values) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if held(values[mid]) >= L:
-            hi = mid
-        else:
-            lo = mid + 1
+    for k in ks:
+        lo, hi = max(start, 1), min(start + k, p - 1)  # the block's inner stages
+        if lo < hi:
+            runs.append(c[lo] * np.arange(1, caps[lo:hi].max() + 1))
+        start += k
+    runs += [c[0] * np.arange(1, caps[0] + 1) + e[0]]
+    if p > 1:
+        runs.append(c[-1] * np.arange(1, caps[-1] + 1) + e[-1])
+    values = np.concatenate(runs)
+    # the least candidate at which the stages hold L layers (held grows with the bottleneck)
+    held = np.minimum(caps[:, None], np.floor((values[None, :] - e[:, None]) / c[:, None] + 1e-9)).clip(min=0).sum(axis=0)
+    enough = values[held >= L]
+    bottleneck = float(enough.min()) if len(enough) else float(values.max())
     # (GPipe: max f + max b >= max (f + b), so the same bound holds)
     fill = float(cf.sum()) + (L - p) * float(cf.min()) + g_first + g_last
     tail = _tail_lb(chosen, L, 0.0)
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
-    return weight * float(values[lo]) * (1 - 1e-9) + fill + tail
+    return weight * bottleneck * (1 - 1e-9) + fill + tail
 
 
 def _inv_tail(o: Option, L: int) -> float:
