@@ -94,3 +94,36 @@ def test_shipped_clusters_are_proved_optimal(name):
     ctx = make_context(cluster, "llama-100b", 4096, 2048)
     steady, tail, fill = plan_figures(best, ctx, cluster)
     assert best.time_s == pytest.approx((2048 // best.micro_batch - 1) * steady.sum() + tail + fill)
+
+
+def test_dropping_dominated_shapes_keeps_the_dp_minimum():
+    """The bound DP runs over the shapes no other shape of the type dominates (positions.undominated):
+    its least cost, per lambda and as a capacity row, is the same over all shapes, and each
+    dropped shape has a kept one that dominates it."""
+    cluster = load_cluster(REPO / "plans" / "cluster-768.toml")
+    ctx = make_context(cluster, "llama-100b", 4096, 2048)
+    L, tables = ctx.model.n_layers, pos.type_tables(ctx, 16)
+    K = tables[0].steady_a.shape[0]
+    single = np.concatenate([t.steady_a[0] * L / 8 + t.steady_end[0, pos.MID] for t in tables if t.size])
+    V = np.quantile(single, [0.2, 0.6, 1.0])[:, None].repeat(K, 1)
+    live = pos.live_tables(tables, V, np.full(len(V), np.inf))
+    kept = pos.undominated(live)
+    assert sum(t.size for t, _ in kept) < 0.8 * sum(t.size for t, _ in live)  # the test prunes something
+    for (t, u), (k, uk) in zip(live, kept):
+        assert set(map(id, k.options)) <= set(map(id, t.options))
+        const, i_of = pos._stage_constants(t), {id(o): i for i, o in enumerate(t.options)}
+        idx = [i_of[id(o)] for o in k.options]
+        for s in set(range(t.size)) - set(idx):  # a kept shape dominates each dropped one
+            assert any(t.k_max[j] >= t.k_max[s] and t.a[j] <= t.a[s] and (const[:, j] <= const[:, s]).all()
+                       and (u[:, :, j] >= u[:, :, s]).all() for j in idx)
+    box = np.repeat(np.arange(len(V)), 4)
+    lams = np.tile([0.0, 1e-3, 1e-2, 0.1], len(V)) * single.mean()
+    cap = np.zeros(len(box), dtype=bool)
+    cap[::4] = True  # one capacity row per box
+    for rows in (live, kept):
+        ws = [pos.weights(t, u, lams, box, cap) for t, u in rows]
+        got = pos.back_dp([t for t, _ in rows], ws, L, len(box))
+        if rows is live:
+            full = got
+    np.testing.assert_allclose(got, full, rtol=1e-12)
+    assert np.isfinite(full).any()

@@ -160,12 +160,61 @@ def live_tables(tables: Sequence[TypeTable], V: np.ndarray, tau: np.ndarray) -> 
             out.append((t, u))
             continue
         keep = np.nonzero(alive)[0]
-        sub = TypeTable(
-            [t.options[i] for i in keep], t.a[keep], t.tail_layer[keep], t.own_send[keep], t.send_bytes[keep],
-            t.link_s_per_byte[keep], t.k_max[keep], t.end_time[:, keep], t.end_tail[:, keep], t.memcap[:, keep],
-            t.steady_a[:, keep], t.steady_end[:, :, keep],
-        )
-        out.append((sub, u[:, :, keep]))
+        out.append((_subset(t, keep), u[:, :, keep]))
+    return out
+
+
+def _subset(t: TypeTable, keep: np.ndarray) -> TypeTable:
+    """The table of the shapes `keep` (indices, ascending: the order by k_max stays)."""
+    return TypeTable(
+        [t.options[i] for i in keep], t.a[keep], t.tail_layer[keep], t.own_send[keep], t.send_bytes[keep],
+        t.link_s_per_byte[keep], t.k_max[keep], t.end_time[:, keep], t.end_tail[:, keep], t.memcap[:, keep],
+        t.steady_a[:, keep], t.steady_end[:, :, keep],
+    )
+
+
+def _stage_constants(table: TypeTable) -> np.ndarray:
+    """(4, S) per role, a stage's Lagrangian terms that do not scale with its layers: its
+    end-stage fill and, where it sends, its own share of the send both ways and the latency."""
+    const = table.end_time.copy()
+    const[MID] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
+    const[FIRST] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
+    return const
+
+
+def undominated(live: Sequence[tuple[TypeTable, np.ndarray]]) -> list[tuple[TypeTable, np.ndarray]]:
+    """`live` (per type: its table and caps u (B, 4, S, L)) without the shapes another shape of
+    the type dominates in every row: as many stages or more (k_max), a per-layer fill term and
+    stage constants no larger, and caps no smaller at every role and position. Then its w is
+    no larger wherever the dominated shape's is finite, for every lambda (w = c + a - lambda +
+    min(a - lambda, 0) * (u - 1)) and as a capacity row (w = -u), so every block of the
+    dominated shape costs at least the same block of its dominator: the DP's minimum, over
+    fewer shapes, is the same. Of shapes equal in all of it, the first is kept."""
+    out = []
+    for t, u in live:
+        S = t.size
+        if S < 2:
+            out.append((t, u))
+            continue
+        const = _stage_constants(t)
+        # may[i, j]: shape i may dominate shape j (the cheap terms first, then the caps)
+        may = (t.k_max[:, None] >= t.k_max[None, :]) & (t.a[:, None] <= t.a[None, :])
+        may &= (const[:, :, None] <= const[:, None, :]).all(axis=0)
+        np.fill_diagonal(may, False)
+        i, j = np.nonzero(may)
+        if len(i) == 0:
+            out.append((t, u))
+            continue
+        U = np.moveaxis(u, 2, 0).reshape(S, -1)
+        dom = np.zeros((S, S), dtype=bool)
+        dom[i, j] = (U[i] >= U[j]).all(axis=1)
+        # j goes if a shape dominates it strictly, or equals it and comes first
+        gone = (dom & ~(dom.T & (np.arange(S)[:, None] > np.arange(S)[None, :]))).any(axis=0)
+        if not gone.any():
+            out.append((t, u))
+            continue
+        keep = np.nonzero(~gone)[0]
+        out.append((_subset(t, keep), u[:, :, keep]))
     return out
 
 
@@ -224,9 +273,7 @@ def weights(
     rows = np.arange(B) if rows is None else rows
     R = len(rows)
     cap_rows = np.broadcast_to(np.asarray(capacity, dtype=bool), (R,))
-    const = table.end_time.copy()
-    const[MID] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
-    const[FIRST] += 2.0 * (table.own_send + cm.LINK_LATENCY_S)
+    const = _stage_constants(table)
     slope = table.a[None, :] - np.asarray(lams, dtype=float)[:, None]  # (R, S)
     slope[cap_rows] = -1.0
     coef = np.where(slope < 0, slope, 0.0)  # lambda above the per-layer time: every layer allowed
@@ -347,6 +394,7 @@ def front_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int) -> list
 def max_layers(live: Sequence[tuple[TypeTable, np.ndarray]], L: int) -> np.ndarray:
     """Per row, the most layers any stage list holds with every stage within its caps."""
     B = live[0][1].shape[0]
+    live = undominated(live)
     ws = [weights(t, u, np.zeros(B), capacity=True) for t, u in live]
     return -back_dp([t for t, _ in live], ws, L, B)
 
@@ -360,7 +408,7 @@ def lagrangian(
     inf where no stage list holds the L layers under them. One DP: the rows, then one
     capacity row per box whose `fits` (per box: 1 holds L layers, 0 does not, -1 unknown;
     default unknown) is not known; `fits` is filled in."""
-    live = live_tables(tables, V, tau)  # caps per box
+    live = undominated(live_tables(tables, V, tau))  # caps per box
     box = np.asarray(box, dtype=np.int64)
     R, B = len(box), len(V)
     fits = np.full(B, -1, dtype=np.int8) if fits is None else fits
