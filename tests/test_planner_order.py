@@ -157,3 +157,37 @@ def test_the_position_dp_is_the_least_over_every_order(seed):
                 for q in range(1, L):
                     want = _brute(live, ws, L, back_q=q, allowed=A)
                     assert G[A][q] == pytest.approx(want, rel=1e-12, abs=1e-15), (A, q)
+
+
+def test_the_enumeration_counts_the_layers_each_block_holds_in_its_box():
+    """A stage list that cannot hold the L layers within a box's upper corner has no plan in
+    that box, so the box's enumeration leaves it to the box its plans are in: the layers each
+    next block holds (its stages' caps at their positions and roles) are the caps' own sum."""
+    from h2jax.planner import dual_search
+    from h2jax.planner.space import SearchStats
+    from h2jax.planner.split import TopK
+
+    rng = random.Random(7)
+    checked = 0
+    while checked < 3:
+        cluster, kwargs = random_case(rng)
+        ctx = make_context(cluster, "tiny", kwargs["seq_len"], kwargs["global_batch"], kwargs["schedule"], None)
+        batch = dual_search._make_batch(ctx, 1, 0.0, bracket=False)
+        if batch is None or len([t for t in batch.tables if t.size]) < 2:
+            continue
+        enum = dual_search._Enumerator(ctx, batch, TopK(1), SearchStats(), set(), math.inf)
+        hi = np.append(batch.steady_max, batch.tail_max)
+        enum.run(batch.corner(batch.v_feasible, 0.0), hi, 0.0, max_leaves=0)
+        L, full = ctx.model.n_layers, (1 << len(enum.tables)) - 1
+        for q in (0, 1, 2):
+            rel, t2s, ss, ks, fronts, _, most = enum._children(full, q)
+            assert len(rel)
+            for t2, s, k, front, held in zip(t2s.tolist(), ss.tolist(), ks.tolist(), fronts.tolist(), most.tolist()):
+                u = enum.u[t2]
+                roles = [pos.MID] * k  # positions q+1 .. q+k from the end
+                if q == 0:
+                    roles[0] = pos.LAST
+                if front:
+                    roles[-1] = pos.ONLY if q == 0 and k == 1 else pos.FIRST
+                assert held == sum(u[r, s, q + i] for i, r in enumerate(roles))
+        checked += 1

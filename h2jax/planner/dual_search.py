@@ -241,14 +241,27 @@ class _Enumerator:
         self.ws = [pos.weights(t, u, np.array([lam])) for t, u in live]
         self.G = pos.front_dp(self.tables, self.ws, L)
         self.base = float(self.batch.weight @ lo) + lam * L
+        # the most layers each stage holds within the box's upper corner (caps per role, shape
+        # and position), and the middle stages' prefix sums over positions
+        self.u = [u[0] for _, u in live]
+        self.mid_sum = [np.concatenate([np.zeros((u.shape[1], 1)), np.cumsum(u[pos.MID], axis=-1)], axis=-1)
+                        for u in self.u]
         self.leaves_left = max_leaves
-        self._visit((1 << len(self.tables)) - 1, 0, 0.0, ())
+        self.memo: dict = {}
+        self._visit((1 << len(self.tables)) - 1, 0, 0.0, 0.0, ())
 
-    def _children(self, left: int, q: int, C: float) -> list[tuple[float, int, int, int, bool, float]]:
+    def _children(self, left: int, q: int) -> tuple[np.ndarray, ...]:
         """The blocks that can come next (in front of the q stages placed), of a type of the
-        set `left` (a bit mask), each with its bound, best first."""
-        L, bound = self.L, self.top.bound
-        out = []
+        set `left` (a bit mask), as arrays sorted by their bound less the base and the cost
+        behind them (which the caller adds): (that part of the bound, type, shape, stages,
+        is it the front block, its own cost, the most layers its stages hold in the box). The
+        same (left, q) is reached behind many different blocks: made once per run."""
+        key = (left, q)
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        L = self.L
+        parts = []
         for t2 in pos._bits(left):
             table, w, G = self.tables[t2], self.ws[t2], self.G[left & ~(1 << t2)]
             if not table.size or q >= L:
@@ -260,31 +273,55 @@ class _Enumerator:
             start = (w.last1[0] - Wm[:, 1])[:, None] if q == 0 else -Wm[:, q:q + 1]
             fits = k[None, :] <= table.k_max[:, None]
             mid = Wm[:, end] + start
-            mid_b = np.where(fits & mid_ok[:, end], self.base + C + mid + G[end][None, :], np.inf)
+            mid_b = np.where(fits & mid_ok[:, end], mid + G[end][None, :], np.inf)
             front = Wm[:, end - 1] + first[:, end] + start
             front_ok = fits & mid_ok[:, end - 1]
             if q == 0:
                 front[:, 0] = w.only1[0]
                 front_ok[:, 0] = True
-            front_b = np.where(front_ok, self.base + C + front, np.inf)
-            for arr, cost, is_front in ((mid_b, mid, False), (front_b, front, True)):
-                s_idx, k_idx = np.nonzero(arr < bound)
-                for s, ki in zip(s_idx.tolist(), k_idx.tolist()):
-                    out.append((float(arr[s, ki]), t2, s, ki + 1, is_front, float(cost[s, ki])))
-        out.sort()
-        return out
+            front_b = np.where(front_ok, front, np.inf)
+            u, cum = self.u[t2], self.mid_sum[t2]
+            # layers held: middle stages at positions q+1 .. (the last stage's own cap at 1),
+            # and a front block's first stage at its front position q+k
+            held = cum[:, end] - cum[:, q:q + 1]
+            if q == 0:
+                held = held + (u[pos.LAST, :, :1] - u[pos.MID, :, :1])
+            held_front = held - u[pos.MID][:, end - 1] + u[pos.FIRST][:, end - 1]
+            if q == 0:
+                held_front[:, 0] = u[pos.ONLY, :, 0]
+            for arr, cost, is_front, most in ((mid_b, mid, False, held), (front_b, front, True, held_front)):
+                s_idx, k_idx = np.nonzero(arr < np.inf)
+                parts.append((arr[s_idx, k_idx], np.full(len(s_idx), t2), s_idx, k_idx + 1,
+                              np.full(len(s_idx), is_front), cost[s_idx, k_idx], most[s_idx, k_idx]))
+        if not parts:
+            found = (np.empty(0),) * 7
+        else:
+            cols = [np.concatenate(c) for c in zip(*parts)]
+            order = np.argsort(cols[0], kind="stable")
+            found = tuple(c[order] for c in cols)
+        self.memo[key] = found
+        return found
 
-    def _visit(self, left: int, q: int, C: float, blocks: tuple) -> None:
-        for bound, t2, s, k, is_front, cost in self._children(left, q, C):
-            if bound >= self.top.bound or self.leaves_left == 0:
+    def _visit(self, left: int, q: int, C: float, held: float, blocks: tuple) -> None:
+        """Below the q stages `blocks` (cost C, holding at most `held` layers in the box)."""
+        found = self._children(left, q)
+        # the children whose bound base + C + rel is below the incumbent's (a margin for the
+        # rounding of the sum: each child's own sum decides, below)
+        room = self.top.bound - self.base - C
+        n = int(np.searchsorted(found[0], room + 1e-9 * (abs(room) + abs(self.base) + abs(C)), side="right"))
+        for r, t2, s, k, is_front, cost, most in zip(*(c[:n].tolist() for c in found)):
+            if self.base + C + r >= self.top.bound or self.leaves_left == 0:
                 return
             if time.perf_counter() > self.deadline:
                 raise OutOfTime
             here = ((t2, s, k),) + blocks
             if is_front:
-                self._leaf(here)
+                # a list that cannot hold the L layers within the box's upper corner has no plan
+                # in the box: the box its best plan lies in solves it
+                if held + most >= self.L:
+                    self._leaf(here)
             elif left & ~(1 << t2):
-                self._visit(left & ~(1 << t2), q + k, C + cost, here)
+                self._visit(left & ~(1 << t2), q + k, C + cost, held + most, here)
 
     def _leaf(self, blocks: tuple) -> None:
         key = (self.batch.b, tuple((self.tables[t].options[s], k) for t, s, k in blocks))
