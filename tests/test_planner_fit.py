@@ -91,5 +91,10 @@ def test_max_layers_is_the_largest_count_that_fits_at_every_position():
         edge = StageMemoryTerms(per_layer, 0.0, 1.0, 0.0, 0.0, 0.0, capacity)
         assert edge.max_layers() == most == int(edge.max_layers(np.array([1.0]))[0])
         assert edge.fits(most) and not edge.fits(most + 1)
+    # several stages at once (the bounds' tables): each row is that stage's own caps
+    stages = [mem, one_stage_memory(boundary_gib()), dataclasses.replace(mem, deferred=2, in_flight=3.0)]
+    flights = np.array([1.0, 2.0, 3.5, 8.0])
+    rows = StageMemoryTerms.stacked(stages).max_layers(flights[None, :])
+    np.testing.assert_array_equal(rows, np.array([s_.max_layers(flights) for s_ in stages]))
     d = int(mem.layer_static / mem.layer_deferred)  # deferred gradients worth a layer's static bytes
     assert mem.max_layers(1.0, deferred=d) == dataclasses.replace(mem, deferred=d).max_layers(1.0) < mem.max_layers(1.0)

@@ -45,6 +45,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from typing import Sequence
+
 import numpy as np
 
 from h2jax.cluster import ChipType
@@ -173,6 +175,16 @@ class StageMemoryTerms:
             n = np.where(self._within(n + 1, per_layer, fixed), n + 1, n)
         n = np.where(room < 0, -1, n).astype(np.int64)
         return int(n) if n.ndim == 0 else n
+
+    @staticmethod
+    def stacked(terms: "Sequence[StageMemoryTerms]") -> "StageMemoryTerms":
+        """Several stages' terms as one, each field a column (n, 1): its `max_layers(in_flight)`
+        for a row of in-flight counts (1, J) is every stage's at every count, (n, J), by the
+        same arithmetic elementwise."""
+        return StageMemoryTerms(**{
+            f.name: np.array([getattr(t, f.name) for t in terms], dtype=float)[:, None]
+            for f in dataclasses.fields(StageMemoryTerms)
+        })
 
     def breakdown(self, n_layers: int) -> dict[str, float]:
         """GiB per category, for reports."""

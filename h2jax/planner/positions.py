@@ -42,6 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from h2jax.planner import cost_model as cm
+from h2jax.planner.memory_model import StageMemoryTerms
 
 MID, FIRST, LAST, ONLY = 0, 1, 2, 3
 ROLE_FLAGS = ((False, False), (True, False), (False, True), (True, True))  # (first, last)
@@ -92,7 +93,7 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
         a, tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(6))
         end_time, end_tail = np.zeros((4, S)), np.zeros((4, S))
         steady_a, steady_end = np.zeros((K, S)), np.zeros((K, 4, S))
-        memcap = np.zeros((4, S, L), dtype=np.int64)
+        mems = []  # per shape, per role
         for i, o in enumerate(shapes):
             chip = ctx.chips[o.chip]
             for role, (first, last) in enumerate(ROLE_FLAGS):
@@ -101,8 +102,7 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
                 end_time[role, i] = scale * np.dot(form.fill_last if last else form.fill, ends)
                 steady_end[:, role, i] = [np.dot(k, ends) for k in form.steady]
                 end_tail[role, i] = t.tail_end
-                # the fit test's caps at each position's in-flight count (no deferred-W gradients)
-                memcap[role, i] = np.minimum(t.mem.max_layers(in_flight, deferred=0), L)
+                mems.append(t.mem)
                 if role == MID:
                     layer = np.array([t.fwd_layer, t.bwd_layer, t.bwd_weight_layer])
                     a[i] = scale * min(np.dot(form.fill, layer), np.dot(form.fill_last, layer))
@@ -112,6 +112,11 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
             fast, slow = send_rates(cm.calibrated(chip, ctx.profile), o.data * o.tensor)
             nb[i], rho[i], own[i] = nbytes, slow, nbytes * fast
             kmax[i] = min(o.stages, L)
+        # the fit test's caps at each position's in-flight count (no deferred-W gradients)
+        memcap = np.zeros((4, S, L), dtype=np.int64)
+        if mems:
+            caps = StageMemoryTerms.stacked(mems).max_layers(in_flight[None, :], deferred=0)
+            memcap = np.minimum(caps, L).reshape(S, 4, L).transpose(1, 0, 2).astype(np.int64)
         out.append(TypeTable(
             list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
             steady_a, steady_end,

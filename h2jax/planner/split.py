@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from h2jax.planner import cost_model as cm
+from h2jax.planner.memory_model import StageMemoryTerms
 from h2jax.planner.space import Candidate, Context, Option, SearchStats
 
 
@@ -219,7 +220,7 @@ def shape_tables(
     j = np.arange(kmax)
     f = np.full(kmax, in_flight) if m is None else np.minimum(in_flight + j, m)
     limit = np.array([min(o.cap1, L) for o in opts])[:, None]
-    caps = np.minimum(np.array([o.max_layers(f) for o in opts]).reshape(len(opts), kmax), limit)
+    caps = np.minimum(StageMemoryTerms.stacked([o.mem for o in opts]).max_layers(f[None, :]), limit)
     caps[j[None, :] >= np.array([o.stages for o in opts])[:, None]] = 0  # stages it does not have
     caps = np.maximum(caps, 0).astype(np.int64)
     caps[caps < 1] = 0
