@@ -7,6 +7,7 @@ microseconds. The math of the model lives in `h2jax.model`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 
@@ -103,6 +104,7 @@ ATTENTION_BLOCK = 512  # query rows per block of the "blocked" kernel
 CUDNN_TILE = 128  # query/key tile of cuDNN's flash kernel (FlashAttention-2's 128), for counting
 
 
+@functools.lru_cache(maxsize=256)
 def causal_keys_per_query(seq_len: int, tile: int) -> float:
     """Mean keys a query is multiplied with when causal attention skips every key tile after its
     query tile (the FLOPs of such a kernel per token scale with this; a full square: seq_len)."""
