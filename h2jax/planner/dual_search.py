@@ -99,13 +99,17 @@ class _Batch:
 
 
 def _bounds(
-    batch: _Batch, L: int, corners: Sequence[np.ndarray], centers: Sequence[float | None]
+    batch: _Batch, L: int, corners: Sequence[np.ndarray], centers: Sequence[float | None],
+    enough: Sequence[float] | None = None,
 ) -> list[tuple[float, float]]:
     """Per box corner (its thresholds, steady components then tail): (fill bound, lambda).
     Any lambda gives a valid bound, the best one the tightest: a few steps around a known good
     `centers[i]` (the parent box's) or
     a coarse grid, then, where the best was on an edge, wider steps beyond it, or, where it
-    came from the grid, a finer grid between its neighbours. Each round is one batched DP."""
+    came from the grid, a finer grid between its neighbours. Each round is one batched DP.
+    A corner whose bound already reaches `enough[i]` (its box is dropped at that bound) is
+    not refined."""
+    enough = [math.inf] * len(corners) if enough is None else enough
     cand = [c * (1.0 + LAMBDA_STEPS) if c is not None and c > 0 else batch.lam_grid for c in centers]
     best = [(-math.inf, 0.0)] * len(corners)
     todo = list(range(len(corners)))
@@ -124,6 +128,8 @@ def _bounds(
                 continue
             if v[j] > best[i][0]:
                 best[i] = (float(v[j]), float(c[j]))
+            if best[i][0] >= enough[i]:
+                continue
             if c is batch.lam_grid:
                 cand[i] = np.linspace(c[max(j - 1, 0)], c[min(j + 1, len(c) - 1)], 7)[1:-1]
                 nxt.append(i)
@@ -401,7 +407,8 @@ def search(
                 enum.run(batch.corner(batch.v_feasible, 0.0), hi, lam_f, max_leaves=DIVE_LEAVES)
 
     def push_all(batch: _Batch, boxes: list[tuple[np.ndarray, np.ndarray, float | None]]) -> None:
-        found = _bounds(batch, L, [hi for _, hi, _ in boxes], [lam for _, _, lam in boxes])
+        found = _bounds(batch, L, [hi for _, hi, _ in boxes], [lam for _, _, lam in boxes],
+                        [top.bound - float(batch.weight @ lo) for lo, _, _ in boxes])
         for (lo, hi, _), (fill, lam) in zip(boxes, found):
             lb = float(batch.weight @ lo) + fill
             if lb < top.bound:
