@@ -322,6 +322,7 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
     # the front block (first stage at q' + 1) and as a block with more in front of it
     as_front = {t: np.where(ws[t].mid_ok[..., 1:L], ws[t].Wm[..., 1:L] + ws[t].first[..., 2:], np.inf) for t in live}
     as_block = {t: np.where(ws[t].mid_ok[..., 1:], ws[t].Wm[..., 1:], np.inf) for t in live}
+    front: dict[int, np.ndarray] = {}  # per type, (R, L-1): its cheapest front block in front of q = 1..L-1
     F: dict[int, np.ndarray | None] = {0: None}  # the empty back part: the block is the last
     for level in range(len(live)):
         nxt: dict[int, np.ndarray] = {}
@@ -332,14 +333,22 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
             table, w = tables[t], ws[t]
             if level == 0:  # the block is the last: H is finite at q = 0 only, M its value up to k_max
                 M = np.where(np.arange(L) < table.k_max[:, None], (w.last1 - w.Wm[..., 1])[..., None], np.inf)[None]
+                ans = np.minimum(ans, (as_front[t] + M[..., 1:]).min(axis=(0, 2, 3), initial=np.inf))
+                ans = np.minimum(ans, w.only1.min(axis=1))
             else:
+                Fs = np.stack([F[S] for S in masks])[..., 1:L]  # (n, R, L-1): q = 1..L-1 stages behind
+                if t not in front:
+                    # a front block at positions q+1 .. i+1 (i in q .. q+k-1): its terms at i,
+                    # the least over the window ahead of q, less Wm at q; the least over shapes
+                    ahead = _window_min(as_front[t][..., ::-1], table.k_max)[..., ::-1]
+                    front[t] = (ahead - w.Wm[..., 1:L]).min(axis=1, initial=np.inf)
+                ans = np.minimum(ans, (Fs + front[t][None]).min(axis=(0, 2), initial=np.inf))
+                if level == len(live) - 1:
+                    continue  # every type is behind: nothing more in front
                 H = np.empty((len(masks), R, table.size, L))  # H[q], q = 0..L-1 stages behind
                 H[..., 0] = np.inf
-                H[..., 1:] = np.stack([F[S] for S in masks])[:, :, None, 1:L] - w.Wm[None, ..., 1:L]
+                H[..., 1:] = Fs[:, :, None, :] - w.Wm[None, ..., 1:L]
                 M = _window_min(H, table.k_max)  # (n, R, S, L): q' = 1..L, k <= k_max stages
-            ans = np.minimum(ans, (as_front[t] + M[..., 1:]).min(axis=(0, 2, 3), initial=np.inf))
-            if level == 0:
-                ans = np.minimum(ans, w.only1.min(axis=1))
             if level == len(live) - 1:
                 continue  # every type is behind: nothing more in front
             block = (as_block[t] + M).min(axis=2)  # (n, R, L)
