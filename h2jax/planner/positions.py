@@ -36,6 +36,7 @@ take their own terms. Over every order the DP has 2^T sets and T * 2^(T-1) trans
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Sequence
 
@@ -232,21 +233,21 @@ def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
     only for the shapes whose windows need it: the shapes come sorted by k_max); windows cut
     at 0 are prefix minima."""
     n = H.shape[-1]
-    k = np.minimum(k_max, n).astype(np.int64)
-    if len(k) > 1 and not (np.diff(k) >= 0).all():
+    k = [min(int(x), n) for x in k_max]  # (Python ints: the bisections below are per call)
+    if any(a > b for a, b in zip(k, k[1:])):
         order = np.argsort(k, kind="stable")
-        return _window_min(H[..., order, :], k[order])[..., np.argsort(order), :]
+        return _window_min(H[..., order, :], np.asarray(k)[order])[..., np.argsort(order), :]
     out = np.minimum.accumulate(H, axis=-1)  # the windows that reach q = 0
-    n_short = int(np.searchsorted(k, n))  # shapes [0, n_short) have windows shorter than a row
+    n_short = bisect.bisect_left(k, n)  # shapes [0, n_short) have windows shorter than a row
     level, first, v = H[..., :n_short, :], 0, 0  # level v: shapes first.., length n - 2**v + 1
-    for kk in sorted(set(k[:n_short].tolist())):
+    for kk in sorted(set(k[:n_short])):
         lev = kk.bit_length() - 1
         while v < lev:
-            start, span = int(np.searchsorted(k, 2 ** (v + 1))), 1 << v
+            start, span = bisect.bisect_left(k, 2 ** (v + 1)), 1 << v
             rows = level[..., start - first:, :]
             level = np.minimum(rows[..., : rows.shape[-1] - span], rows[..., span:])
             first, v = start, v + 1
-        lo, hi, span = int(np.searchsorted(k, kk)), int(np.searchsorted(k, kk, side="right")), 1 << lev
+        lo, hi, span = bisect.bisect_left(k, kk), bisect.bisect_right(k, kk), 1 << lev
         P = level[..., lo - first: hi - first, :]
         out[..., lo:hi, kk - 1:] = np.minimum(P[..., : n - kk + 1], P[..., kk - span: n - span + 1])
     return out
