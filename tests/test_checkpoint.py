@@ -322,7 +322,7 @@ def test_kill_during_an_asynchronous_save_resumes_the_previous_checkpoint(straig
     assert ckpt.complete_steps(directory) == [3]
     proc = _cli("run", "--plan", str(plan_file), "--steps", "3", "--data", str(token_file),
                 "--checkpoint-dir", str(directory), "--resume", "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _tails(proc)
     resumed = json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
     assert resumed == straight[0][3:]
     assert ckpt.complete_steps(directory) == [3, 6]  # the crashed write was cleared, the end saved
@@ -374,6 +374,12 @@ def test_resume_refuses_bad_input_before_compiling(tmp_path, token_file):
 MPI_WRITER = [  # stage 0 spans two processes (its own jax.distributed group): one write per shard
     {**stage("cpu", 2, 1, [0, 2]), "processes": 2}, stage("cpu", 1, 2, [2, 4])]
 MPI_READER = [stage("emu-fast", 1, 2, [0, 1]), stage("emu-mid", 2, 1, [1, 4], "selective")]
+
+
+def _tails(proc) -> str:
+    """A failed launch's last words: the ranks' standard error and the launcher's report of the
+    process that failed (MPICH's hydra writes it to standard output)."""
+    return f"stderr:\n{proc.stderr[-3000:]}\nstdout:\n{proc.stdout[-1500:]}"
 
 
 def _mpi_cli(n, *args, env=None):
@@ -428,11 +434,11 @@ def test_under_mpi_kill_during_save_then_resume_on_the_same_and_another_plan(tok
     resume = ["-m", "h2jax", "run", "--steps", "2", "--data", str(token_file), "--checkpoint-dir",
               str(directory), "--resume", "3", "--json"]
     proc = _mpi_cli(3, *resume[:3], "--plan", str(writer), *resume[3:])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _tails(proc)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["losses"] == straight[3:5]
 
     proc = _mpi_cli(2, *resume[:3], "--plan", str(reader), *resume[3:])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _tails(proc)
     np.testing.assert_allclose(json.loads(proc.stdout.strip().splitlines()[-1])["losses"], straight[3:5], rtol=1e-5)
 
 
