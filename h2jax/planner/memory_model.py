@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
 from typing import Sequence
 
 import numpy as np

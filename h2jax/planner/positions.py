@@ -344,14 +344,13 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
                     ahead = _window_min(as_front[t][..., ::-1], table.k_max)[..., ::-1]
                     front[t] = (ahead - w.Wm[..., 1:L]).min(axis=1, initial=np.inf)
                 ans = np.minimum(ans, (Fs + front[t][None]).min(axis=(0, 2), initial=np.inf))
-                if level == len(live) - 1:
-                    continue  # every type is behind: nothing more in front
+            if level == len(live) - 1:
+                continue  # every type is behind: nothing more in front
+            if level > 0:
                 H = np.empty((len(masks), R, table.size, L))  # H[q], q = 0..L-1 stages behind
                 H[..., 0] = np.inf
                 H[..., 1:] = Fs[:, :, None, :] - w.Wm[None, ..., 1:L]
                 M = _window_min(H, table.k_max)  # (n, R, S, L): q' = 1..L, k <= k_max stages
-            if level == len(live) - 1:
-                continue  # every type is behind: nothing more in front
             block = (as_block[t] + M).min(axis=2)  # (n, R, L)
             for S, blk in zip(masks, block):
                 if not np.isfinite(blk).any():
