@@ -15,20 +15,17 @@ throughput are medians of `--rounds` rounds, each side by side with plain numpy.
 Where a saving step's extra time goes is reported too: the training thread's own part of a
 save (handing the state to the writer, starting it) and its wait for the previous checkpoint's
 write (one checkpoint in flight at a time), the background write's own time, and the CPU
-time the write takes from the cores training runs on: the writer thread's own and
-tensorstore's I/O threads' (from /proc/self/task, Linux), with the process's CPU per step
-with and without saving. /proc/loadavg before and after is recorded, and the share of the
+time the write takes from the cores training runs on (the writer thread's), with the
+process's CPU per step with and without saving. /proc/loadavg before and after is recorded, and the share of the
 CPU time the virtual machine's host took for others during the run (/proc/stat's steal): on
 a shared machine the figures move with both.
 
 Both sides pay the same costs: the arrays start on the stages' devices and end there, every
-file is fsynced (TensorStore, under orbax, syncs each file it writes), the disk is the same
-directory, and the plain numpy save runs in a thread at the checkpoint writer's priority
-(checkpoint.lower_thread_priority, as the writer of a one-process run). The checkpoint's
-figures include what numpy's do not: the metadata, the CRC-32C of every file (computed after
-the write, checked before the read) and the atomic commit. The restore's tensorstore reads
-run in tensorstore's threads, which an earlier save in the process lowered in priority;
-numpy's load runs at the main thread's.
+file is fsynced, the disk is the same directory, and the plain numpy save runs in a thread at
+the checkpoint writer's priority (checkpoint.lower_thread_priority, as the writer of a
+one-process run). The checkpoint's figures include what numpy's do not: the metadata, the
+CRC-32C of every file (computed as it is written, checked before the read) and the atomic
+commit.
 """
 
 from __future__ import annotations
@@ -53,7 +50,7 @@ def _plain_save(arrays: dict, directory: Path) -> None:
     directory.mkdir(parents=True)
     for name, array in arrays.items():
         with open(directory / f"{name}.npy", "wb") as f:
-            np.save(f, np.asarray(array))  # device -> host, as orbax does
+            np.save(f, np.asarray(array))  # device -> host
             f.flush()
             os.fsync(f.fileno())
 
@@ -72,25 +69,6 @@ def _plain_save_background(arrays: dict, directory: Path) -> None:
     t = threading.Thread(target=run)
     t.start()
     t.join()
-
-
-def _tensorstore_cpu_s() -> float:
-    """CPU seconds used so far by tensorstore's threads (Linux; 0 elsewhere)."""
-    total = 0.0
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0.0
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.index("(") + 1:stat.rindex(")")].startswith("ts_"):
-            fields = stat[stat.rindex(")") + 2:].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def _loadavg() -> str:
@@ -162,7 +140,7 @@ def main() -> None:
     arrays = _state_arrays(trainer)
     nbytes = sum(a.nbytes for a in arrays.values())
 
-    # --- save / restore throughput (after one warm-up save and restore: orbax's first use)
+    # --- save / restore throughput (after one warm-up save and restore)
     warm = ckpt.CheckpointWriter(base / "warm-up")
     warm.save(1, trainer.executors, ckpt.checkpoint_meta(plan, 1))
     warm.wait()
@@ -196,7 +174,7 @@ def main() -> None:
 
     # --- step-time overhead: blocks alternate no saving and saving after every step
     plain_steps, saving_steps, waits, starts, writes = [], [], [], [], []
-    cpu_plain, cpu_saving, ts_cpu = [], [], []
+    cpu_plain, cpu_saving = [], []
     writer = ckpt.CheckpointWriter(base / "every-step", keep=2)
     n = 1
     for _ in range(args.blocks):
@@ -206,7 +184,6 @@ def main() -> None:
             plain_steps.append(time.perf_counter() - t0)
             cpu_plain.append(time.process_time() - c0)
             n += 1
-        ts0 = _tensorstore_cpu_s()
         for k in range(args.steps + 1):  # step 0 of a block: no write in flight, not counted
             t0, c0 = time.perf_counter(), time.process_time()
             trainer.step(batch(n))
@@ -223,7 +200,6 @@ def main() -> None:
             writes.append(writer._pending[2][0])
             n += 1
         writer.wait()  # the next block's plain steps do not pay for this block's last write
-        ts_cpu.append((_tensorstore_cpu_s() - ts0) / (args.steps + 1))
     saved = ckpt.complete_steps(base / "every-step")
     shutil.rmtree(base / "every-step")
     if args.dir is None:
@@ -244,8 +220,7 @@ def main() -> None:
         "save_every_step_overhead": step_saving / step_plain - 1.0,
         "saving_step_training_thread_s": med(starts), "saving_step_wait_for_previous_write_s": med(waits),
         "background_write_s": med(write_s),
-        "background_write_cpu_s": {"writer_thread": med([w.cpu_seconds for w in writes]),
-                                   "tensorstore_threads_per_save": med(ts_cpu)},
+        "background_write_cpu_s": med([w.cpu_seconds for w in writes]),
         "process_cpu_s_per_step": {"no_saving": med(cpu_plain), "saving": med(cpu_saving)},
         # Saving every step can hide only if a checkpoint is written within a step: the plain
         # numpy write of the same bytes, over the step time, is the floor of what any writer needs.

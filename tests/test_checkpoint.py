@@ -221,6 +221,31 @@ def test_an_unknown_checksum_is_named(copy):
         ckpt.open_checkpoint(copy, make_plan(TWO))
 
 
+def test_a_manifest_without_the_spans_of_its_groups_is_named(copy):
+    manifest = _rewrite_manifest(copy, lambda data, item: data["spans"].pop("layer_001"))
+    with pytest.raises(ckpt.CheckpointError, match=f"{manifest}: field 'spans' expected, one \\[offset, length\\] per group"):
+        ckpt.open_checkpoint(copy, make_plan(TWO))
+
+
+def test_a_file_shorter_than_its_layout_is_named_when_read_unverified(copy):
+    """open_checkpoint(verify=False) skips the checksums; the read still never returns a
+    short array."""
+    path = _array_file(copy)
+    os.truncate(path, path.stat().st_size // 2)
+    checkpoint = ckpt.open_checkpoint(copy, make_plan(TWO), verify=False)
+    with pytest.raises(ckpt.CheckpointError, match=f"{path}: ends before (layer_|head)"):
+        checkpoint.restore_all(Trainer(make_plan(TWO), emulate_time=False).executors.values())
+
+
+def test_a_format_this_h2jax_does_not_read_is_named(copy):
+    meta = ckpt.step_dir(copy, 3) / ckpt.META
+    data = json.loads(meta.read_text())
+    assert data["format"] == ckpt.FORMAT == 3
+    meta.write_text(json.dumps({**data, "format": 1}))
+    with pytest.raises(ckpt.CheckpointError, match=f"{meta}: checkpoint format 1, this h2jax reads 2 and 3"):
+        ckpt.open_checkpoint(copy, make_plan(TWO))
+
+
 def test_truncated_array_file_is_named(copy):
     path = _array_file(copy)
     os.truncate(path, path.stat().st_size // 2)

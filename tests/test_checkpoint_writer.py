@@ -1,5 +1,5 @@
-"""The asynchronous checkpoint writer's costs kept off training: packed buffers reused save
-after save, the commit in a thread of its own, the writer in the idle scheduling class where
+"""The asynchronous checkpoint writer's costs kept off training: arrays written from their
+buffers, the commit in a thread of its own, the writer in the idle scheduling class where
 no peer busy-waits. Each without changing what a checkpoint holds."""
 
 import os
@@ -15,54 +15,102 @@ from h2jax.runtime.train import Trainer
 from tests.test_checkpoint import TWO, dataset, make_plan, train  # noqa: F401  (dataset: a fixture)
 
 
-def test_pack_group_fills_the_array_it_is_given_when_the_length_fits():
-    tree = {"a": np.arange(10, dtype=np.float32), "b": np.ones((3, 5), np.int32)}
-    fresh, layout = ckpt.pack_group(tree)
-    reuse = np.full(fresh.shape, 7, np.uint8)  # stale bytes, padding included, must not survive
-    packed, layout2 = ckpt.pack_group(tree, reuse=reuse)
-    assert packed is reuse and layout2 == layout
-    np.testing.assert_array_equal(packed, fresh)
-    wrong = np.zeros(fresh.size + 64, np.uint8)
-    other, _ = ckpt.pack_group(tree, reuse=wrong)
-    assert other is not wrong and other.shape == fresh.shape
+def _read_back(path, layout, spans):
+    """{group: [(layout, its bytes)]} as a reader gets them from one process's file."""
+    data = np.fromfile(path, np.uint8)
+    return {g: [(layout[g], data[start:start + length])] for g, (start, length) in spans.items()}
 
 
-def test_a_sharded_array_packs_as_its_replica_0_shards_and_unpacks_whole():
-    """Each shard of replica 0 is one piece (copied from its device buffer, no assembled
-    copy of the array); a replicated array is one piece; unpack puts them back together."""
+def test_a_sharded_array_is_written_as_its_replica_0_shards_and_read_back_whole(tmp_path):
+    """Each shard of replica 0 is one piece (written from its device buffer, no assembled
+    copy of the array); a replicated array is one piece; the reader puts them back together.
+    The file's recorded size and CRC-32C are its bytes'; every piece is ALIGN-aligned."""
+    import crc32c
     import jax
+    import ml_dtypes
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
     values = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
-    tree = {"split": jax.device_put(values, NamedSharding(mesh, P("tensor", None))),  # replicated over data
-            "both": jax.device_put(values, NamedSharding(mesh, P("data", "tensor"))),
-            "whole": jax.device_put(values, NamedSharding(mesh, P()))}
-    for _ in range(2):  # the second time from the cached choice of shards
-        boxes = {k: sorted(box for box, _ in ckpt._parts(x)) for k, x in tree.items()}
-        assert boxes["split"] == [[[0, 4], [0, 6]], [[4, 8], [0, 6]]]
-        assert boxes["both"] == [[[0, 4], [0, 3]], [[0, 4], [3, 6]], [[4, 8], [0, 3]], [[4, 8], [3, 6]]]
-        assert boxes["whole"] == [[[0, 8], [0, 6]]]
-        packed, layout = ckpt.pack_group(tree)
-        for entry in layout:
-            got = ckpt.unpack_leaf(entry["path"], values, [(layout, packed)], "test")
-            np.testing.assert_array_equal(got, values)
+    odd = np.arange(7, dtype=ml_dtypes.bfloat16)  # 14 bytes: the next piece starts after padding
+    snapshot = {
+        "g0": {"split": jax.device_put(values, NamedSharding(mesh, P("tensor", None))),  # replicated over data
+               "both": jax.device_put(values, NamedSharding(mesh, P("data", "tensor")))},
+        "g1": {"odd": jax.device_put(odd, jax.devices()[5]), "whole": jax.device_put(values, NamedSharding(mesh, P())),
+               "count": np.int32(3), "none": np.zeros((0, 4), np.float32)},
+    }
+    boxes = {k: sorted(box for box, _ in ckpt._parts(x)) for k, x in snapshot["g0"].items()}
+    assert boxes["split"] == [[[0, 4], [0, 6]], [[4, 8], [0, 6]]]
+    assert boxes["both"] == [[[0, 4], [0, 3]], [[0, 4], [3, 6]], [[4, 8], [0, 3]], [[4, 8], [3, 6]]]
+    for round in range(2):  # the second time from the cached layouts, with other values
+        shift = np.float32(100 * round)
+        if round:
+            snapshot = jax.tree.map(lambda x: x + shift.astype(x.dtype) if np.size(x) else x, snapshot)
+        path = tmp_path / f"p{round}.bin"
+        layout, spans, (size, crc) = ckpt.write_data_file(path, snapshot)
+        written = path.read_bytes()
+        assert size == len(written) and crc == crc32c.crc32c(written)
+        assert all(offset % ckpt.ALIGN == 0 for g in layout for e in layout[g] for _, offset in e["pieces"])
+        assert [len(e["pieces"]) for e in layout["g0"]] == [4, 2]  # both, split (the tree's leaf order)
+        found = _read_back(path, layout, spans)
+        for g, tree in snapshot.items():
+            for name, x in tree.items():
+                got = ckpt.unpack_leaf(name, x, found[g], "test")
+                np.testing.assert_array_equal(got, np.asarray(x))
+                assert got.dtype == np.asarray(x).dtype
 
 
-def test_saving_every_step_reuses_the_packed_buffers_and_each_checkpoint_holds_its_step(dataset, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("chunk", [8192, 1 << 20])
+def test_the_direct_and_the_plain_write_give_the_same_file(tmp_path, monkeypatch, chunk):
+    """O_DIRECT's staging in chunks (pieces straddling them, the last block's padding cut off)
+    and plain writes give the same bytes and checksum; where the file system refuses O_DIRECT
+    the plain write is used."""
+    import crc32c
+
+    rng = np.random.default_rng(0)
+    snapshot = {f"g{k}": {"w": rng.standard_normal((37, 53 + k)).astype(np.float32),
+                          "b": rng.standard_normal(11).astype(np.float16)} for k in range(5)}
+    monkeypatch.setattr(ckpt, "DIRECT_CHUNK", chunk)
+    monkeypatch.setattr(ckpt, "_STAGING", [])
+    direct_calls = []
+    real = ckpt._write_direct
+    monkeypatch.setattr(ckpt, "_write_direct", lambda *a: direct_calls.append(real(*a)) or direct_calls[-1])
+    direct = ckpt.write_data_file(tmp_path / "direct.bin", snapshot)
+    monkeypatch.setattr(ckpt, "_write_direct", lambda *a: None)  # a file system without O_DIRECT
+    plain = ckpt.write_data_file(tmp_path / "plain.bin", snapshot)
+    assert direct == plain
+    data = (tmp_path / "direct.bin").read_bytes()
+    assert data == (tmp_path / "plain.bin").read_bytes()
+    assert plain[2] == [len(data), crc32c.crc32c(data)] and len(data) % ckpt.DIRECT_BLOCK != 0
+    if direct_calls[0] is None:
+        pytest.skip("no O_DIRECT here (platform or file system): only the plain write ran")
+    assert ckpt._STAGING and len(ckpt._STAGING[0]) == chunk  # the chunk is kept for the next save
+
+
+def test_a_damaged_piece_of_a_written_file_is_read_as_what_it_holds_not_silently_fixed(tmp_path):
+    """The layout is what the reader trusts: a piece past the end of the bytes it is given
+    is an error naming the file, not a short array."""
+    tree = {"a": np.arange(10, dtype=np.float32)}
+    layout, spans, _ = ckpt.write_data_file(tmp_path / "p0.bin", {"g": tree})
+    data = np.fromfile(tmp_path / "p0.bin", np.uint8)[:20]  # truncated
+    with pytest.raises(ckpt.CheckpointError, match=r"where: a lies past the end of its packed bytes"):
+        ckpt.unpack_leaf("a", tree["a"], [(layout["g"], data)], "where")
+
+
+def test_saving_every_step_each_checkpoint_holds_its_step(dataset, tmp_path):  # noqa: F811
+    """Each save lays its groups out from the layouts cached at the first: the values are
+    each step's own."""
     plan = make_plan(TWO)
     trainer = Trainer(plan, emulate_time=False)
     writer = ckpt.CheckpointWriter(tmp_path)
-    params, buffers = {}, []
+    params = {}
     for step in (1, 2, 3):
         train(trainer, dataset, step - 1, 1)
         params[step] = trainer.params_numpy()
         writer.save(step, trainer.executors, ckpt.checkpoint_meta(plan, step))
         writer.settle()
-        buffers.append({g: id(b) for g, b in writer._buffers.items()})
     writer.close()
-    assert buffers[0] and buffers[0] == buffers[1] == buffers[2]  # the same arrays every save
-    for step in (2, 3):  # a later save's packing did not touch an earlier checkpoint
+    for step in (1, 2, 3):
         fresh = Trainer(plan, emulate_time=False)
         ckpt.open_checkpoint(tmp_path, plan, step=step).restore_all(fresh.executors.values())
         got = fresh.params_numpy()
@@ -81,14 +129,14 @@ def test_a_save_holds_the_state_without_a_copy_and_training_on_leaves_it_intact(
     before = trainer.params_numpy()
     live = {i: _leaves(ex.params) for i, ex in trainer.executors.items()}
     writer = ckpt.CheckpointWriter(tmp_path)
-    release, taken, real = threading.Event(), [], ckpt.pack_group
+    release, taken, real = threading.Event(), [], ckpt.write_data_file
 
-    def held_pack(tree, *args, **kw):
-        taken.append(tree)
+    def held_write(path, snapshot):
+        taken.extend(snapshot.values())
         assert release.wait(60)
-        return real(tree, *args, **kw)
+        return real(path, snapshot)
 
-    monkeypatch.setattr(ckpt, "pack_group", held_pack)
+    monkeypatch.setattr(ckpt, "write_data_file", held_write)
     writer.save(1, trainer.executors, ckpt.checkpoint_meta(plan, 1))
     train(trainer, dataset, 1, 2)  # two updates while the write waits
     release.set()
@@ -145,12 +193,12 @@ def test_the_writer_runs_in_the_idle_class_in_one_process_only(monkeypatch):
     assert ckpt.LocalWorld.writer_idle_class is True
     assert ckpt.TransportWorld.writer_idle_class is False  # MPI ranks busy-wait on shared cores
     seen = []
-    monkeypatch.setattr(ckpt, "_yield_cpu", seen.append)
+    monkeypatch.setattr(ckpt, "lower_thread_priority", lambda tid, idle_class: seen.append((tid, idle_class)))
     w = ckpt._ItemWrite.__new__(ckpt._ItemWrite)
-    w.idle_class, w.rows, w.buffers, w.path = True, None, {}, None
+    w.idle_class, w.path = True, None
     w.done = threading.Event()
     w._write({})  # fails at the write (no path): the priority was set first
-    assert seen == [True]
+    assert seen == [(threading.get_native_id(), True)] and w.error is not None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread scheduling classes are Linux's")

@@ -5,36 +5,44 @@ Layout of a checkpoint directory D:
     D/step_000006/checkpoint.json        step, data position, RNG seed, the learning-rate
                                          schedule's length, model config, the plan that wrote
                                          it, and which items hold each layer group
-    D/step_000006/layers_000-003/        one orbax PyTree item per writing process; its keys
-    D/step_000006/layers_000-003.manifest  are global group names (`embed`, `layer_000`, ...,
-                                         `head`), each ONE byte array: the group's parameters
-                                         and optimizer state packed; .manifest: where each
-                                         array lies in it, each file's size and CRC-32C
+    D/step_000006/layers_000-003/p0.bin  one item per writing unit (the stages one process
+                                         runs, or one stage spanning processes), one file
+                                         per process of the unit: its groups' arrays, group
+                                         after group, each array's bytes ALIGN-aligned
+    D/step_000006/layers_000-003.manifest  where each array lies in p0.bin (each group's
+                                         [offset, length], each array's pieces), the file's
+                                         size and CRC-32C; process k of a unit records its
+                                         own file in layers_000-003.p<k>.layout
     D/step_000009.pending/               a checkpoint being written: never read
 
-A group holds one layer's parameters and its optimizer state (the moments of that layer's
-parameters; `opt_shared` repeats the optimizer's scalars, e.g. AdamW's step count), so a stage
-of any other plan -- other split, meshes, chip types, schedule, process count -- reads just
-its own groups (one orbax call per item, each group one array) and lays each array out on the
-stage's mesh (ZeRO-1 moments land split over the new `data` axis). One array per group, not
-one per parameter: orbax's cost is per array (about 1 ms to write, 0.3 ms to read), which at
-hundreds of small arrays was most of the time.
+A group (`embed`, `layer_000`, ..., `head`) holds one layer's parameters and its optimizer
+state (the moments of that layer's parameters; `opt_shared` repeats the optimizer's scalars,
+e.g. AdamW's step count), so a stage of any other plan -- other split, meshes, chip types,
+schedule, process count -- reads just its own groups' bytes (one read each) and lays each
+array out on the stage's mesh (ZeRO-1 moments land split over the new `data` axis).
 
-Each process writes its own item. A process that holds a whole stage (the usual case) writes
-whole arrays; the processes of a multi-process stage (`layers_000-001.p0`, `.p1`) each write
-the shards of replica 0 on their devices, so every shard is written once, by one process, and
-a reader puts the pieces back together.
+A process that holds a whole stage (the usual case) writes whole arrays; each process of a
+multi-process stage writes the shards of replica 0 on its devices, so every shard is
+written once, by one process, and a reader puts the pieces back together.
+
+Written directly, not through orbax (format 3): each array's bytes go from its device buffer
+(on the CPU backend, a view of it) through a staging chunk to the disk with O_DIRECT (no
+page cache to copy into and write back later; plain writes and an fsync where the file
+system refuses it), the CRC-32C computed on the way. Through orbax (format 2, still read)
+each save first packed every group into one byte array (one array per parameter had cost
+~1 ms each in orbax), then tensorstore copied it again in threads of its own: about twice
+the writer's CPU time, which is what saving every step costs training on a host whose cores
+the step keeps busy.
 
 Atomic: every process writes its item into `step_N.pending/`; when every process reports its
 item finished, the primary process writes checkpoint.json and renames the directory to
 `step_N` -- one rename, so a checkpoint is visible only when complete and a crash mid-write
 leaves the previous one intact. Asynchronous: `save` returns at once, holding the stages'
 arrays as they are (their next update writes the new state to fresh buffers instead of
-donating these: no copy); a background thread copies them to the host, packs them (into the
-previous save's arrays: no page faults) and has orbax write them while training goes on; the
-primary's commit runs in a thread too. The writer and tensorstore's I/O threads run at a
-lower CPU priority than training (`lower_thread_priority`, on Linux; the idle class in a
-one-process run): on cores training keeps busy, the write takes the idle time.
+donating these: no copy); a background thread writes them while training goes on; the
+primary's commit runs in a thread too. The writer runs at a lower CPU priority than training
+(`lower_thread_priority`, on Linux; the idle class in a one-process run): on cores training
+keeps busy, the write takes the idle time.
 
 Everything a resume needs is checked by `open_checkpoint` before any stage compiles: the
 format, the model config, the data settings, that each needed item exists, and the size and
@@ -44,6 +52,7 @@ that names the file and the cause.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
@@ -64,7 +73,11 @@ import numpy as np
 from h2jax.config import ConfigError
 from h2jax.plan import Plan, plan_from_dict
 
-FORMAT = 2  # 1: one orbax array per parameter (read no more: each group is one packed array now)
+# 3: each writing process's part of an item in one file of its own, written directly.
+# 2: one orbax item per writing unit, a packed byte array per group (still read).
+# 1: one orbax array per parameter (read no more).
+FORMAT = 3
+READ_FORMATS = (2, 3)
 META = "checkpoint.json"
 PENDING = ".pending"
 DELETING = ".deleting"
@@ -170,19 +183,17 @@ def _path_name(path) -> str:
     return "/".join(_key_name(k) for k in path)
 
 
-def _parts(x) -> list[tuple[list[list[int]], Any]]:
-    """The parts of array `x` this process writes, as ([[start, stop] per dimension], array):
-    the whole array when one device's buffer holds all of it (one device, or replicated on
-    this process's devices), else its shards of replica 0, each a piece of its own (each
-    shard of a multi-process stage lies on exactly one process as replica 0). A shard's
-    piece is one copy from its device buffer (on the CPU backend, from a view of it):
-    assembling a sharded array first (numpy's view of a jax.Array) allocated a fresh array
-    every save and copied twice. With the shard choice cached (_replica0_shards), packing the
-    `small` model's 18.8 MiB takes 22-23 ms of CPU a save, 34-40 ms before. Known without
-    waiting for the values."""
+def _parts(x) -> list[tuple[list[list[int]], int | None]]:
+    """The parts of array `x` this process writes, as ([[start, stop] per dimension], k): the
+    whole array (k None) when one device's buffer holds all of it (one device, or replicated
+    on this process's devices), else its shards of replica 0, each a piece of its own, k the
+    shard's index (`x.addressable_data(k)`; each shard of a multi-process stage lies on
+    exactly one process as replica 0). A shard's piece is written from its device buffer (on
+    the CPU backend, a view of it): assembling a sharded array first (numpy's view of a
+    jax.Array) allocated a fresh array every save and copied it."""
     if not isinstance(x, jax.Array) or (x.is_fully_addressable and (len(x.devices()) == 1 or x.is_fully_replicated)):
-        return [([[0, d] for d in np.shape(x)], x)]
-    return [(box, x.addressable_data(k)) for k, box in _replica0_shards(x.sharding, x.shape, x)]
+        return [([[0, d] for d in np.shape(x)], None)]
+    return [(box, k) for k, box in _replica0_shards(x.sharding, x.shape, x)]
 
 
 _REPLICA0: dict = {}  # (sharding, shape) -> [(k, box)]: which shards _parts takes, by sharding
@@ -206,40 +217,162 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def packed_size(tree) -> int:
-    """The bytes pack_group makes of `tree` on this process."""
-    return sum(_aligned(a.nbytes) for x in jax.tree.leaves(tree) for _, a in _parts(x))
+_ZEROS = bytes(ALIGN)  # alignment padding
+_ZERO_ARRAY = np.zeros(ALIGN, np.uint8)
+_LAYOUTS: dict = {}  # group structure -> (entries, pieces, length): _group_layout's, by structure
 
 
-def pack_group(tree, size: int | None = None, reuse: np.ndarray | None = None) -> tuple[np.ndarray, list[dict]]:
-    """A group's arrays (this process's parts of them) as one byte array (`size` bytes when
-    given, zero-padded), and where each lies in it: [{path, dtype, shape, pieces: [[box,
-    offset], ...]}] in the tree's leaf order. The bytes go into `reuse` when it has the
-    length they need (the previous save's array of the group, its write finished): memory
-    already mapped, where a new array's first touch costs a page fault per 4 KiB (measured:
-    ~7,000 faults and ~40 ms of CPU per save of the `small` model's 18.8 MiB)."""
-    entries, parts, offset = [], [], 0
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        pieces = []
-        for box, a in _parts(x):
-            pieces.append([box, offset])
-            parts.append((offset, a))
-            offset += _aligned(a.nbytes)
-        entries.append({"path": _path_name(path), "dtype": np.dtype(x.dtype).name, "shape": list(x.shape),
-                        "pieces": pieces})
-    length = offset if size is None else size
-    packed = reuse if reuse is not None and reuse.shape == (length,) else np.empty(length, np.uint8)
-    end = 0
-    for start, a in parts:
-        packed[end:start] = 0  # only the alignment padding is zeroed: the arrays fill the rest
-        # One copy of each array into place, from a view of its device buffer where it has one
-        # on the host; else np.asarray of the whole array (per-shard copies, strided into
-        # place, measured twice as slow on the CPU backend).
-        host = _host_view(a)
-        packed[start:start + host.nbytes] = host.reshape(-1).view(np.uint8)
-        end = start + host.nbytes
-    packed[end:] = 0
-    return packed, entries
+def _group_layout(tree) -> tuple[list[dict], list[tuple[int, int | None, int]], int]:
+    """Where a group's arrays (this process's parts of them) lie in its bytes: the layout
+    entries [{path, dtype, shape, pieces: [[box, offset], ...]}] in the tree's leaf order
+    (offsets from the group's first byte, each ALIGN-aligned), the pieces to write in that
+    order as (leaf index, shard index or None for the whole array, bytes), and the group's
+    length. The same for every save of one stage (leaf shapes, dtypes and shardings), so
+    worked out once per structure: a save then only views and writes the buffers."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    key = (treedef, tuple((np.shape(x), np.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves))
+    got = _LAYOUTS.get(key)
+    if got is None:
+        entries, pieces, offset = [], [], 0
+        for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
+            boxes = []
+            for box, shard in _parts(x):
+                nbytes = math.prod(b - a for a, b in box) * np.dtype(x.dtype).itemsize
+                boxes.append([box, offset])
+                pieces.append((i, shard, nbytes))
+                offset += _aligned(nbytes)
+            entries.append({"path": _path_name(path), "dtype": np.dtype(x.dtype).name, "shape": list(x.shape),
+                            "pieces": boxes})
+        got = _LAYOUTS[key] = (entries, pieces, offset)
+    return got
+
+
+def write_data_file(path: Path, snapshot: Mapping[str, Any]) -> tuple[dict, dict, list[int]]:
+    """Write this process's part of `snapshot` ({group: tree of arrays}) to the file `path`,
+    group after group, each array's bytes (or each of its replica-0 shards') taken from its
+    buffer (on the CPU backend a view of the device buffer), ALIGN-aligned so any dtype
+    views in place; on disk when it returns. Returns ({group: layout entries}, {group: [first
+    byte, length]}, [size, CRC-32C]) -- the checksum computed from the bytes as they are
+    written, so nothing is read back.
+
+    Through O_DIRECT where the file system takes it (`_write_direct`), else with plain
+    writes and an fsync. Either way about half the CPU time orbax took to write the same
+    groups packed (measured on the `small` model: the packing copy, tensorstore's copies and
+    threads), the CPU that saving every step takes from training."""
+    layout, spans, size = {}, {}, 0
+    for g, tree in snapshot.items():
+        entries, _, length = _group_layout(tree)
+        layout[g], spans[g] = entries, [size, length]
+        size += length
+    crc = _write_direct(path, _pieces(snapshot), size)
+    if crc is None:
+        crc = _write_buffered(path, _pieces(snapshot), size)
+    return layout, spans, [size, crc]
+
+
+def _pieces(snapshot: Mapping[str, Any]) -> Iterable[tuple[int, np.ndarray]]:
+    """(offset in the file, bytes) of every piece of `snapshot`, in file order, each viewed
+    (or copied to the host, off the CPU backend) only when its turn comes."""
+    offset = 0
+    for g, tree in snapshot.items():
+        _, pieces, length = _group_layout(tree)
+        leaves, at = jax.tree_util.tree_leaves(tree), offset
+        for i, shard, nbytes in pieces:
+            x = leaves[i]
+            data = _host_view(x if shard is None else x.addressable_data(shard)).reshape(-1).view(np.uint8)
+            if data.nbytes != nbytes:  # cannot happen for arrays of the structure cached
+                raise AssertionError(f"{g}: {nbytes} bytes expected, the buffer has {data.nbytes}")
+            yield at, data
+            at += _aligned(nbytes)
+        offset += length
+
+
+def _write_buffered(path: Path, pieces: Iterable[tuple[int, np.ndarray]], size: int) -> int:
+    crc, at = 0, 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for offset, data in [*pieces, (size, None)]:
+            if offset > at:  # alignment padding
+                crc = crc32c.crc32c(_ZEROS[:offset - at], crc)
+                _write_all(fd, memoryview(_ZEROS)[:offset - at])
+            if data is not None:
+                crc = crc32c.crc32c(data, crc)
+                _write_all(fd, memoryview(data))
+                at = offset + data.nbytes
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return crc
+
+
+# O_DIRECT: the bytes go from a staging buffer to the disk, skipping the page cache: no copy
+# into it and no write-back later (on this project's 2-core machine, writing the `small`
+# model's 18.8 MiB took 11 ms of CPU this way, 18 ms with plain writes and an fsync).
+# Staged in page-aligned chunks, which O_DIRECT needs (buffer, length and file offset
+# multiples of the device's block size; 4096 covers the usual ones).
+DIRECT_CHUNK = 8 << 20
+DIRECT_BLOCK = 4096
+_STAGING: list = []  # free page-aligned chunks (anonymous maps), reused save after save
+_STAGING_LOCK = threading.Lock()
+
+
+def _write_direct(path: Path, pieces: Iterable[tuple[int, np.ndarray]], size: int) -> int | None:
+    """The file written through O_DIRECT and its CRC-32C, or None where the platform or the
+    file system refuses O_DIRECT (nothing written then)."""
+    import mmap
+
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:  # e.g. tmpfs: EINVAL
+        return None
+    with _STAGING_LOCK:
+        chunk = _STAGING.pop() if _STAGING else mmap.mmap(-1, DIRECT_CHUNK)
+    staged, whole = np.frombuffer(chunk, np.uint8), len(chunk)
+    crc, fill, at = 0, 0, 0
+
+    def put(data: np.ndarray) -> None:
+        nonlocal crc, fill
+        k = 0
+        while k < data.size:
+            n = min(whole - fill, data.size - k)
+            staged[fill:fill + n] = data[k:k + n]
+            fill, k = fill + n, k + n
+            if fill == whole:
+                crc = crc32c.crc32c(chunk, crc)
+                _write_all(fd, memoryview(chunk))
+                fill = 0
+
+    try:
+        for offset, data in [*pieces, (size, None)]:
+            if offset > at:
+                put(_ZERO_ARRAY[:offset - at])
+            if data is not None:
+                put(data)
+                at = offset + data.nbytes
+        if fill:
+            crc = crc32c.crc32c(memoryview(chunk)[:fill], crc)
+            end = -(-fill // DIRECT_BLOCK) * DIRECT_BLOCK
+            staged[fill:end] = 0
+            _write_all(fd, memoryview(chunk)[:end])
+        os.ftruncate(fd, size)  # the last block's padding off
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None  # a file system that opens O_DIRECT but refuses its writes: written again plainly
+    finally:
+        os.close(fd)
+        with _STAGING_LOCK:
+            _STAGING.append(chunk)
+    return crc
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < data.nbytes:
+        done += os.write(fd, data[done:])
 
 
 def _host_view(x) -> np.ndarray:
@@ -306,16 +439,6 @@ def _checksum(path: Path, kind: str = CHECKSUM) -> int:
             return _CHECKSUMS[kind](b"")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             return _CHECKSUMS[kind](m)
-
-
-def file_sums(item_dir: Path) -> dict[str, list[int]]:
-    """{path relative to the item: [size, CHECKSUM]} for every file of an orbax item."""
-    out = {}
-    for root, _, files in os.walk(item_dir):
-        for f in files:
-            p = Path(root) / f
-            out[str(p.relative_to(item_dir))] = [p.stat().st_size, _checksum(p)]
-    return out
 
 
 def _write_json(path: Path, obj, *, indent: int | None = 1) -> None:
@@ -392,57 +515,47 @@ class TransportWorld:
         return self.transport.sum_across_stages({0: float(local_done)}) >= self.n_processes
 
 
-def _processes(collective: bool):
-    """orbax's world: this process alone (an item of its own, or reading), or every process
-    of its stage (a stage spanning processes writes one item together; orbax's barriers then
-    go through the jax.distributed client, not device collectives, which from the writing
-    thread could interleave with the step's own)."""
+def _format2_checkpointer():
+    """orbax, for this process alone, to read the items of format-2 checkpoints (one packed
+    byte array per group)."""
     import orbax.checkpoint as ocp
 
     me = jax.process_index()
-    if collective:
-        return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count())))
-    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-
-
-def _checkpointer(collective: bool = False):
-    import orbax.checkpoint as ocp
-
-    # OCDBT: an item's arrays go into a few large files. No compression: parameters do not
-    # compress. The packed arrays are ours and never change: orbax need not copy them first
-    # (its default, ~40% of a save).
+    processes = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-        (jax.Array, ocp.type_handlers.ArrayHandler()))  # a multi-process stage's rows
-    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                          type_handler_registry=registry,
-                                          multiprocessing_options=_processes(collective))
-    return ocp.Checkpointer(handler, multiprocessing_options=_processes(collective))
+        (np.ndarray, ocp.type_handlers.NumpyHandler()), (jax.Array, ocp.type_handlers.ArrayHandler()))
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, type_handler_registry=registry,
+                                          multiprocessing_options=processes)
+    return ocp.Checkpointer(handler, multiprocessing_options=processes)
+
+
+def _data_file(process: int) -> str:
+    """The file of an item that process `process` of its writing unit writes."""
+    return f"p{process}.bin"
+
+
+def _layout_file(item: Path, process: int) -> Path:
+    return item.with_name(f"{item.name}.p{process}.layout")
 
 
 class _ItemWrite:
     """This process's part of one checkpoint, written in a background thread.
 
     The training thread only hands over the state's arrays (StageExecutor.share_state: no
-    copy); the copy to the host, the packing (one byte array per group), orbax's write and
-    the checksums all run off the training thread.
+    copy); writing them (`write_data_file`) and the layout runs off the training thread.
 
-    A unit of several processes (one stage spanning processes) writes one item together:
-    each group is a [processes, row] byte array whose row k process k packs from its shards
-    of replica 0 (`rows`: each group's row length, agreed in `save`), and each process
-    records its row's layout in its own file (`<item>.p<k>.layout`)."""
+    Each process of a writing unit writes its own file of the item (`p<k>.bin`, k its index
+    among the unit's processes: one stage spanning processes writes one item, each process
+    the shards of replica 0 on its devices) and records where each array lies in it, with the
+    file's size and CRC-32C: process 0 in the item's manifest, process k in
+    `<item>.p<k>.layout`. No process waits for another: the commit does."""
 
-    def __init__(self, pending: Path, name: str, snapshot: dict, rows: dict[str, int] | None = None,
-                 buffers: dict[str, np.ndarray] | None = None, idle_class: bool = False):
-        self.path, self.rows, self.idle_class = pending / name, rows, idle_class
-        # {group: packed bytes}, the writer's across saves: this write reuses the previous
-        # one's arrays (finished: one write in flight at a time) and leaves its own.
-        self.buffers = {} if buffers is None else buffers
+    def __init__(self, pending: Path, name: str, snapshot: dict, idle_class: bool = False):
+        self.path, self.idle_class = pending / name, idle_class
         self.error: BaseException | None = None
         self.seconds: float | None = None  # how long the write took, once done
         self.cpu_seconds: float | None = None  # the CPU time of this thread's part of it
         self.done = threading.Event()
-        # One orbax save at a time per process: its operation ids are process-global.
         self.thread = threading.Thread(target=self._write, args=(snapshot,), name=f"h2jax-ckpt-{name}",
                                        daemon=True)
         self.thread.start()
@@ -450,31 +563,18 @@ class _ItemWrite:
     def _write(self, snapshot: dict) -> None:
         start = time.perf_counter()
         cpu_start = time.thread_time()
-        _yield_cpu(self.idle_class)
+        lower_thread_priority(threading.get_native_id(), idle_class=self.idle_class)
         try:
-            import orbax.checkpoint as ocp
-
-            packed, layout = {}, {}
-            for g, tree in snapshot.items():
-                packed[g], layout[g] = pack_group(tree, None if self.rows is None else self.rows[g],
-                                                  self.buffers.pop(g, None))
-                self.buffers[g] = packed[g]
-            del snapshot  # the stages' old state goes as soon as it is on the host
-            if self.rows is not None:
-                packed = _rows_array(packed)
-            checkpointer = _checkpointer(collective=self.rows is not None)
-            try:
-                checkpointer.save(self.path, args=ocp.args.PyTreeSave(packed))
-            finally:
-                checkpointer.close()
             me = jax.process_index()
+            self.path.mkdir(parents=True, exist_ok=True)
+            layout, spans, size_crc = write_data_file(self.path / _data_file(me), snapshot)
+            del snapshot  # the stages' old state goes as soon as it is written
+            record = {"groups": layout, "spans": spans, "files": {_data_file(me): size_crc}}
             if me == 0:
                 _write_json(self.path.with_name(self.path.name + MANIFEST),
-                            {"processes": jax.process_count(), "groups": layout, "checksum": CHECKSUM,
-                             "files": file_sums(self.path)},
-                            indent=None)
+                            {"processes": jax.process_count(), "checksum": CHECKSUM, **record}, indent=None)
             else:
-                _write_json(_layout_file(self.path, me), {"groups": layout}, indent=None)
+                _write_json(_layout_file(self.path, me), record, indent=None)
         except BaseException as e:  # surfaced in the training thread by CheckpointWriter
             self.error = e
         finally:
@@ -492,7 +592,6 @@ class _ItemWrite:
 # process's): the write takes the CPU training leaves idle and yields it back when training
 # wants it, instead of taking an equal share of the cores XLA's step runs on.
 BACKGROUND_NICENESS = 10
-_TENSORSTORE_THREADS = "ts_"  # tensorstore names its pool threads ts_pool_worker, ...
 
 
 def lower_thread_priority(tid: int, *, idle_class: bool = False) -> None:
@@ -503,7 +602,8 @@ def lower_thread_priority(tid: int, *, idle_class: bool = False) -> None:
     saving every step on the `small` model, measured side by side, +15% with niceness alone,
     +10% with SCHED_IDLE). Not where peers busy-wait on the same cores (MPI ranks of one
     host): behind them an idle-class writer could wait indefinitely. Lowering is one-way for
-    an unprivileged process. Where not available or not permitted, nothing changes."""
+    an unprivileged process. On Linux priority is per thread; where not available or not
+    permitted, nothing changes."""
     try:
         target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + BACKGROUND_NICENESS)
         if os.getpriority(os.PRIO_PROCESS, tid) < target:
@@ -514,77 +614,18 @@ def lower_thread_priority(tid: int, *, idle_class: bool = False) -> None:
         pass
 
 
-def _yield_cpu(idle_class: bool) -> None:
-    """Run the calling thread (a checkpoint writer), every thread it starts (a thread inherits
-    its creator's priority) and tensorstore's pool threads (which do orbax's I/O, created once
-    per process by whichever thread used tensorstore first, maybe a restore in the main
-    thread) at a lower priority than training (`lower_thread_priority`). On Linux priority is
-    per thread; elsewhere nothing changes (the write is the same). A restore after a save in
-    the same process runs its tensorstore part at the lower priority too (it is only slower
-    when the CPU is contended)."""
-    if not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"):
-        return
-    tids = [threading.get_native_id()]
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    if f.read().startswith(_TENSORSTORE_THREADS):
-                        tids.append(int(tid))
-            except OSError:  # the thread ended meanwhile
-                pass
-    except OSError:
-        pass
-    for tid in tids:
-        lower_thread_priority(tid, idle_class=idle_class)
-
-
-def _layout_file(item: Path, process: int) -> Path:
-    return item.with_name(f"{item.name}.p{process}.layout")
-
-
-def _row_lengths(snapshot: dict) -> dict[str, int]:
-    """Each group's row length for a unit of several processes: the most any of them packs.
-    Collective over the stage's processes (on the training thread, where every process
-    saves at the same point)."""
-    from jax.experimental import multihost_utils
-
-    names = sorted(snapshot)
-    sizes = [packed_size(snapshot[g]) for g in names]
-    split = np.array([[n >> 30 for n in sizes], [n & (2**30 - 1) for n in sizes]], np.int32)  # int32 on every JAX
-    every = np.asarray(multihost_utils.process_allgather(split)).astype(np.int64)  # [process, 2, group]
-    longest = (every[:, 0] << 30 | every[:, 1]).max(axis=0)
-    return {g: max(int(n), ALIGN) for g, n in zip(names, longest)}
-
-
-def _rows_array(packed: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """{group: [processes, row] array across the stage's processes}, row k this process's bytes
-    (orbax writes numpy arrays from the first process only; a global array, every process
-    its own row)."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-              for p in range(jax.process_count())]
-    sharding = NamedSharding(Mesh(np.array(firsts), ("p",)), PartitionSpec("p"))
-    mine = firsts[jax.process_index()]
-    return {g: jax.make_array_from_single_device_arrays((len(firsts), row.size), sharding,
-                                                        [jax.device_put(row[None], mine)])
-            for g, row in packed.items()}
-
-
 class CheckpointWriter:
     """Saves the stages this process runs into `directory`, keeping the newest `keep`."""
 
     def __init__(self, directory: str | Path, *, keep: int | None = None, world: World | None = None):
         if keep is not None and keep < 1:
             raise CheckpointError(f"--keep must be >= 1, got {keep}")
-        self.directory = Path(directory).absolute()  # orbax wants absolute paths
+        self.directory = Path(directory).absolute()
         self.keep, self.world = keep, world or LocalWorld()
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory (checkpoint directory expected)")
         self.directory.mkdir(parents=True, exist_ok=True)
         self._pending: tuple[int, dict, list[_ItemWrite]] | None = None
-        self._buffers: dict[str, np.ndarray] = {}  # packed groups, reused save after save
         # The primary's commit of an agreed checkpoint (checkpoint.json, rename, fsyncs,
         # pruning: ~10 ms of file-system waits) runs here, off the training thread.
         self._committing: threading.Thread | None = None
@@ -622,9 +663,8 @@ class CheckpointWriter:
         for i in mine:  # every layer chunk of an interleaved stage
             for ex in getattr(executors[i], "chunks", None) or [executors[i]]:
                 snapshot.update(self._snapshot(ex))
-        rows = _row_lengths(snapshot) if unit[1] > 1 else None
-        self._pending = (step, meta, [_ItemWrite(pending, item_name(plan, mine), snapshot, rows,
-                                                     self._buffers, self.world.writer_idle_class)])
+        self._pending = (step, meta, [_ItemWrite(pending, item_name(plan, mine), snapshot,
+                                                     self.world.writer_idle_class)])
 
     def _snapshot(self, ex) -> dict:
         """The stage's state as it is now, by group: its own arrays, which its next update
@@ -808,22 +848,18 @@ class Checkpoint:
         self.restore_all([executor])
 
     def restore_all(self, executors: Iterable[Any]) -> None:
-        """Load every executor's groups (each chunk's, for an interleaved stage): one orbax
-        read per item, the arrays viewed in the packed bytes, then one transfer onto the
-        stages' shardings."""
+        """Load every executor's groups (each chunk's, for an interleaved stage): each group's
+        bytes read once from each file holding a part of it, the arrays viewed in them, then
+        one transfer onto the stages' shardings."""
         stages = [c for ex in executors for c in (getattr(ex, "chunks", None) or [ex])]
         wanted = [group_trees(*ex._abstract_state[:2]) for ex in stages]
-        packed = self._read({g for groups in wanted for g in groups})
+        found = self._read({g for groups in wanted for g in groups})
         hosts, targets = [], []
         for groups in wanted:
             for g, tree in groups.items():
-                item = self.meta["groups"][g][0]
-                rows = packed[item][g].reshape(-1, packed[item][g].shape[-1])  # one per writing process
-                found = [(layout[g], rows[k]) for k, layout in enumerate(self.manifests[item]["layouts"])
-                         if g in layout]
-                where = str(self.path / (item + MANIFEST))
+                where = str(self.path / (self.meta["groups"][g][0] + MANIFEST))
                 for path, want in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                    hosts.append(unpack_leaf(_path_name(path), want, found, where))
+                    hosts.append(unpack_leaf(_path_name(path), want, found[g], where))
                     targets.append(want)
         if all(t.sharding.is_fully_addressable for t in targets):
             arrays = iter(jax.device_put(hosts, [t.sharding for t in targets]))
@@ -837,25 +873,54 @@ class Checkpoint:
             ex.params = {g: loaded[g]["params"] for g in abstract_params}
             ex.opt_state = opt_state_from_groups(abstract_opt, loaded)
 
-    def _read(self, groups: set[str]) -> dict[str, dict[str, np.ndarray]]:
-        """{item: {group: its packed bytes}} of `groups`: one orbax restore per item."""
-        import orbax.checkpoint as ocp
-
+    def _read(self, groups: set[str]) -> dict[str, list[tuple[list[dict], np.ndarray]]]:
+        """{group: [(layout, bytes) of each writing process's part of it]}."""
         by_item: dict[str, list[str]] = {}
         for g in sorted(groups):
             by_item.setdefault(self.meta["groups"][g][0], []).append(g)
+        if self.meta["format"] == 2:
+            return self._read_format2(by_item)
+        out: dict[str, list] = {g: [] for g in groups}
+        for item, names in sorted(by_item.items()):
+            manifest = self.manifests[item]
+            for k, (layout, spans) in enumerate(zip(manifest["layouts"], manifest["spans"])):
+                mine = sorted((spans[g][0], spans[g][1], g) for g in names if g in layout)
+                if not mine:
+                    continue
+                path = self.path / item / _data_file(k)
+                try:
+                    with open(path, "rb", buffering=0) as f:
+                        for offset, length, g in mine:
+                            data = np.empty(length, np.uint8)
+                            f.seek(offset)
+                            if f.readinto(data) != length:
+                                raise CheckpointError(f"{path}: ends before {g}'s bytes do (truncated?)")
+                            out[g].append((layout[g], data))
+                except OSError as e:
+                    raise CheckpointError(f"{path}: cannot be read: {e}") from None
+        return out
+
+    def _read_format2(self, by_item: dict[str, list[str]]) -> dict[str, list[tuple[list[dict], np.ndarray]]]:
+        """The same from a format-2 checkpoint: one orbax item per writing unit, each group a
+        [processes, row] byte array whose row k process k packed."""
+        import orbax.checkpoint as ocp
+
         out = {}
-        checkpointer = _checkpointer()
+        checkpointer = _format2_checkpointer()
         try:
             for item, names in sorted(by_item.items()):
                 path = self.path.absolute() / item
                 tree = {g: np.zeros(0, np.uint8) for g in names}
                 try:
-                    out[item] = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+                    packed = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
                         item=tree, restore_args={g: ocp.RestoreArgs(restore_type=np.ndarray) for g in names},
                         partial_restore=True))
                 except Exception as e:  # noqa: BLE001 -- one clear error for any storage failure
                     raise CheckpointError(f"{path}: cannot be read: {type(e).__name__}: {e}") from e
+                for g in names:
+                    rows = packed[g].reshape(-1, packed[g].shape[-1])  # one per writing process
+                    out[g] = [(layout[g], rows[k]) for k, layout in enumerate(self.manifests[item]["layouts"])
+                              if g in layout]
         finally:
             checkpointer.close()
         return out
@@ -883,8 +948,9 @@ def read_checkpoint(directory: str | Path, step: int | None = None) -> tuple[Pat
     path = step_dir(directory, step)
     meta = _read_json(path / META, "the checkpoint's metadata")
     where = path / META
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: checkpoint format {meta.get('format')!r}, this h2jax reads {FORMAT}")
+    if meta.get("format") not in READ_FORMATS:
+        raise CheckpointError(f"{where}: checkpoint format {meta.get('format')!r}, this h2jax reads "
+                              f"{' and '.join(map(str, READ_FORMATS))}")
     for key in ("step", "model", "plan", "groups", "data"):
         if key not in meta:
             raise CheckpointError(f"{where}: field {key!r} missing")
@@ -914,7 +980,7 @@ def open_checkpoint(
         if not (path / item).is_dir():
             holds = sorted(g for g, its in meta["groups"].items() if item in its)
             raise CheckpointError(f"{path / item}: missing (it holds {', '.join(holds)})")
-        manifests[item] = _read_manifest(path / item)
+        manifests[item] = _read_manifest(path / item, meta["format"])
     absent = sorted(g for g in set(needed) if not any(g in layout for layout in manifests[meta["groups"][g][0]]["layouts"]))
     if absent:
         where = ", ".join(str(path / (item + MANIFEST)) for item in sorted({meta["groups"][g][0] for g in absent}))
@@ -941,8 +1007,9 @@ def resumed_plan(plan: Plan, directory: str | Path, step: int | None = None) -> 
     return dataclasses.replace(plan, train=dataclasses.replace(plan.train, decay_steps=int(length)))
 
 
-def _read_manifest(item: Path) -> dict:
-    """An item's file sums and the layout each writing process recorded."""
+def _read_manifest(item: Path, version: int) -> dict:
+    """An item's file sums, and the layout (and, from format 3, the groups' spans in its
+    file) each writing process recorded; `version`: the checkpoint's format."""
     manifest_file = item.with_name(item.name + MANIFEST)
     manifest = _read_json(manifest_file, f"the layout and checksums of {item.name}")
     processes = manifest.get("processes")
@@ -953,13 +1020,21 @@ def _read_manifest(item: Path) -> dict:
     if checksum not in _CHECKSUMS:
         raise CheckpointError(f"{manifest_file}: checksum {checksum!r} unknown (one of {sorted(_CHECKSUMS)}): "
                               f"written by a newer h2jax?")
-    layouts = [manifest["groups"]]
+    records = [(manifest_file, manifest)]
     for k in range(1, processes):
-        layout = _read_json(_layout_file(item, k), f"the layout process {k} of {item.name}'s stage wrote")
+        layout_file = _layout_file(item, k)
+        layout = _read_json(layout_file, f"the layout process {k} of {item.name}'s stage wrote")
         if not isinstance(layout.get("groups"), dict):
-            raise CheckpointError(f"{_layout_file(item, k)}: field 'groups' expected")
-        layouts.append(layout["groups"])
-    return {"files": manifest["files"], "checksum": checksum, "layouts": layouts}
+            raise CheckpointError(f"{layout_file}: field 'groups' expected")
+        records.append((layout_file, layout))
+    files, spans = {}, []
+    for where, record in records:
+        files.update(record.get("files", {}))  # format 2: the manifest's alone, of the whole item
+        if version >= 3:  # each process's groups in a file of its own
+            if not isinstance(record.get("spans"), dict) or set(record["spans"]) != set(record["groups"]):
+                raise CheckpointError(f"{where}: field 'spans' expected, one [offset, length] per group")
+            spans.append(record["spans"])
+    return {"files": files, "checksum": checksum, "layouts": [r["groups"] for _, r in records], "spans": spans}
 
 
 def _check_meta(where: Path, meta: dict, plan: Plan) -> None:
