@@ -82,6 +82,19 @@ def test_the_direct_and_the_plain_write_give_the_same_file(tmp_path, monkeypatch
     data = (tmp_path / "direct.bin").read_bytes()
     assert data == (tmp_path / "plain.bin").read_bytes()
     assert plain[2] == [len(data), crc32c.crc32c(data)] and len(data) % ckpt.DIRECT_BLOCK != 0
+    # Each piece is viewed (off the CPU backend: copied to the host) only when its turn comes,
+    # never all of a process's state at once.
+    views, at_first_write = [], []
+    real_view, real_write = ckpt._host_view, ckpt._write_all
+    monkeypatch.setattr(ckpt, "_host_view", lambda x: views.append(1) or real_view(x))
+    monkeypatch.setattr(ckpt, "_write_all", lambda fd, d: at_first_write.append(len(views)) or real_write(fd, d))
+    ckpt.write_data_file(tmp_path / "again.bin", snapshot)
+    assert 0 < at_first_write[0] < len(views) == 10
+    if chunk < 20_000 and direct_calls[0] is not None:  # the direct write flushes each full chunk
+        monkeypatch.setattr(ckpt, "_write_direct", real)
+        views.clear(), at_first_write.clear()
+        ckpt.write_data_file(tmp_path / "again.bin", snapshot)
+        assert 0 < at_first_write[0] < len(views) == 10
     if direct_calls[0] is None:
         pytest.skip("no O_DIRECT here (platform or file system): only the plain write ran")
     assert ckpt._STAGING and len(ckpt._STAGING[0]) == chunk  # the chunk is kept for the next save

@@ -53,6 +53,7 @@ that names the file and the cause.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import math
 import mmap
@@ -291,7 +292,7 @@ def _write_buffered(path: Path, pieces: Iterable[tuple[int, np.ndarray]], size: 
     crc, at = 0, 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for offset, data in [*pieces, (size, None)]:
+        for offset, data in itertools.chain(pieces, [(size, None)]):  # the end: its padding
             if offset > at:  # alignment padding
                 crc = crc32c.crc32c(_ZEROS[:offset - at], crc)
                 _write_all(fd, memoryview(_ZEROS)[:offset - at])
@@ -345,7 +346,7 @@ def _write_direct(path: Path, pieces: Iterable[tuple[int, np.ndarray]], size: in
                 fill = 0
 
     try:
-        for offset, data in [*pieces, (size, None)]:
+        for offset, data in itertools.chain(pieces, [(size, None)]):  # the end: its padding
             if offset > at:
                 put(_ZERO_ARRAY[:offset - at])
             if data is not None:
