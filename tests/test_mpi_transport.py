@@ -311,8 +311,14 @@ def test_startup_barrier_names_the_missing_rank():
 
 
 @pytest.mark.mpi
-def test_a_rank_that_never_starts_mpi_does_not_hang_the_others():
-    proc, _ = mpiexec(2, "fail.py", "early", "1", timeout=300, env={"H2JAX_MPI_STARTUP_TIMEOUT": "2"})
+@pytest.mark.parametrize("mode", ["early", "early_slow_load"])
+def test_a_rank_that_never_starts_mpi_does_not_hang_the_others(mode):
+    # early_slow_load: the MPI library takes the waiting rank 3 s to load, longer than the
+    # start-up timeout. A watchdog armed before the load fired before that rank had joined
+    # the job, and mpiexec does not clean up after a process that never joined: the job hung
+    # until the sleeping rank woke (seen on a loaded CI machine with the 2 s timeout).
+    timeout = {"early": "2", "early_slow_load": "1"}[mode]
+    proc, _ = mpiexec(2, "fail.py", mode, "1", timeout=120, env={"H2JAX_MPI_STARTUP_TIMEOUT": timeout})
     assert proc.returncode != 0
     assert "_mpi_init_waits_for_every_rank_of_the_job" in proc.stderr
 

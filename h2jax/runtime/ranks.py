@@ -104,24 +104,51 @@ def mpi_rank() -> int:
 
 
 def init_mpi(timeout_s: float | None = None):
-    """Start MPI (importing mpi4py.MPI does) and return COMM_WORLD. MPI_Init waits for every
-    rank of the job; if one never gets there, exit non-zero instead of hanging. The watchdog
-    is faulthandler's C thread: MPI_Init holds the GIL, so no Python timer could fire."""
-    if "mpi4py.MPI" in sys.modules:
-        return comm_world()
+    """Start MPI and return COMM_WORLD. MPI_Init waits for every rank of the job; if one never
+    gets there, exit non-zero instead of hanging. The watchdog is faulthandler's C thread:
+    MPI_Init holds the GIL, so no Python timer could fire.
+
+    The library is loaded first and only MPI_Init runs under the watchdog: a rank whose timer
+    fired while it was still loading libmpi (slow on a loaded machine) would leave before
+    joining the job, and mpiexec does not clean up after a process that never joined it, so
+    the rank that never started would keep the job alive."""
+    mpi = _load_mpi_library()
+    if mpi.Is_initialized():
+        return mpi.COMM_WORLD
     import faulthandler
 
     timeout_s = default_startup_timeout() if timeout_s is None else timeout_s
     faulthandler.dump_traceback_later(timeout_s, exit=True)  # prints where it hung, _exit(1)
     try:
-        return _mpi_init_waits_for_every_rank_of_the_job()
+        return _mpi_init_waits_for_every_rank_of_the_job(mpi)
     finally:
         faulthandler.cancel_dump_traceback_later()
 
 
-def _mpi_init_waits_for_every_rank_of_the_job():
+def _load_mpi_library():
+    """mpi4py.MPI with libmpi loaded but, unless something initialized it already, MPI not
+    started; finalized at exit as when mpi4py starts it on import."""
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _mpi_init_waits_for_every_rank_of_the_job(mpi):
     # Named for the traceback the watchdog prints when a rank never starts.
-    return comm_world()
+    import mpi4py
+
+    if mpi4py.rc.threads:
+        levels = {"single": mpi.THREAD_SINGLE, "funneled": mpi.THREAD_FUNNELED,
+                  "serialized": mpi.THREAD_SERIALIZED, "multiple": mpi.THREAD_MULTIPLE}
+        mpi.Init_thread(levels[mpi4py.rc.thread_level])
+    else:
+        mpi.Init()
+    return mpi.COMM_WORLD
 
 
 def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) -> ProcessRole:

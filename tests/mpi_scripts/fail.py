@@ -7,6 +7,8 @@ usage: mpiexec -n 2 python fail.py MODE BAD_RANK
   late   BAD_RANK starts MPI, then reaches the start-up barrier 600 s late (as if stuck
          initializing its backend; set H2JAX_MPI_STARTUP_TIMEOUT low)
   early  BAD_RANK is stuck 600 s before it even starts MPI
+  early_slow_load  as early, and loading the MPI library takes the other ranks 3 s (as on a
+         loaded machine; set H2JAX_MPI_STARTUP_TIMEOUT below that)
 """
 
 import sys
@@ -25,8 +27,16 @@ plan = plan_from_dict({
     "stages": [{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [0, 2]},
                {"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [2, 4]}],
 })
-if mode == "early" and rank == bad:
+if mode.startswith("early") and rank == bad:
     time.sleep(600)
+if mode == "early_slow_load":
+    load = ranks._load_mpi_library
+
+    def slow_load():
+        time.sleep(3)
+        return load()
+
+    ranks._load_mpi_library = slow_load
 if mode == "late" and rank == bad:
     ranks.init_mpi()
     time.sleep(600)
