@@ -221,13 +221,14 @@ _ZEROS = np.zeros(ALIGN, np.uint8)  # alignment padding
 _LAYOUTS: dict = {}  # group structure -> (entries, pieces, length): _group_layout's, by structure
 
 
-def _group_layout(tree) -> tuple[list[dict], list[tuple[int, int | None, int]], int]:
-    """Where a group's arrays (this process's parts of them) lie in its bytes: the layout
-    entries [{path, dtype, shape, pieces: [[box, offset], ...]}] in the tree's leaf order
-    (offsets from the group's first byte, each ALIGN-aligned), the pieces to write in that
-    order as (leaf index, shard index or None for the whole array, bytes), and the group's
-    length. The same for every save of one stage (leaf shapes, dtypes and shardings), so
-    worked out once per structure: a save then only views and writes the buffers."""
+def _group_layout(tree) -> tuple[list, tuple[list[dict], list[tuple[int, int | None, int]], int]]:
+    """The group's leaves, and where its arrays (this process's parts of them) lie in its
+    bytes: the layout entries [{path, dtype, shape, pieces: [[box, offset], ...]}] in the
+    tree's leaf order (offsets from the group's first byte, each ALIGN-aligned), the pieces
+    to write in that order as (leaf index, shard index or None for the whole array, bytes),
+    and the group's length. The layout is the same for every save of one stage (leaf shapes,
+    dtypes and shardings), so worked out once per structure: a save then only views and
+    writes the buffers."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     key = (treedef, tuple((np.shape(x), np.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves))
     got = _LAYOUTS.get(key)
@@ -243,7 +244,7 @@ def _group_layout(tree) -> tuple[list[dict], list[tuple[int, int | None, int]], 
             entries.append({"path": _path_name(path), "dtype": np.dtype(x.dtype).name, "shape": list(x.shape),
                             "pieces": boxes})
         got = _LAYOUTS[key] = (entries, pieces, offset)
-    return got
+    return leaves, got
 
 
 def write_data_file(path: Path, snapshot: Mapping[str, Any]) -> tuple[dict, dict, list[int]]:
@@ -258,7 +259,7 @@ def write_data_file(path: Path, snapshot: Mapping[str, Any]) -> tuple[dict, dict
     writes and an fsync. Either way about half the CPU time orbax took to write the same
     groups packed (measured on the `small` model: the packing copy, tensorstore's copies and
     threads), the CPU that saving every step takes from training."""
-    groups = [(g, tree, _group_layout(tree)) for g, tree in snapshot.items()]
+    groups = [(g, *_group_layout(tree)) for g, tree in snapshot.items()]
     layout, spans, size = {}, {}, 0
     for g, _, (entries, _, length) in groups:
         layout[g], spans[g] = entries, [size, length]
@@ -269,12 +270,11 @@ def write_data_file(path: Path, snapshot: Mapping[str, Any]) -> tuple[dict, dict
     return layout, spans, [size, crc]
 
 
-def _file_bytes(groups: list[tuple[str, Any, tuple]]) -> Iterable[np.ndarray]:
-    """The file's bytes in order, as uint8 arrays: each piece of each (group, tree, its
-    _group_layout), then its alignment padding. Each piece is viewed (or copied to the host,
-    off the CPU backend) only when its turn comes."""
-    for g, tree, (_, pieces, _) in groups:
-        leaves = jax.tree_util.tree_leaves(tree)
+def _file_bytes(groups: list[tuple[str, list, tuple]]) -> Iterable[np.ndarray]:
+    """The file's bytes in order, as uint8 arrays: each piece of each (group, leaves, layout)
+    of `_group_layout`, then its alignment padding. Each piece is viewed (or copied to the
+    host, off the CPU backend) only when its turn comes."""
+    for g, leaves, (_, pieces, _) in groups:
         for i, shard, nbytes in pieces:
             x = leaves[i]
             data = _host_view(x if shard is None else x.addressable_data(shard)).reshape(-1).view(np.uint8)
