@@ -16,9 +16,9 @@ Where a saving step's extra time goes is reported too: the training thread's own
 save (handing the state to the writer, starting it) and its wait for the previous checkpoint's
 write (one checkpoint in flight at a time), the background write's own time, and the CPU
 time the write takes from the cores training runs on (the writer thread's), with the
-process's CPU per step with and without saving. /proc/loadavg before and after is recorded, and the share of the
-CPU time the virtual machine's host took for others during the run (/proc/stat's steal): on
-a shared machine the figures move with both.
+process's CPU per step with and without saving. /proc/loadavg before and after is recorded,
+and the share of the CPU time the virtual machine's host took for others during the run
+(/proc/stat's steal): on a shared machine the figures move with both.
 
 Both sides pay the same costs: the arrays start on the stages' devices and end there, every
 file is fsynced, the disk is the same directory, and the plain numpy save runs in a thread at
