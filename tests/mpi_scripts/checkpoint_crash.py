@@ -44,7 +44,11 @@ for n in range(3):
 checkpoints.finish(3)  # committed on every process
 for n in range(3, 5):
     step(n)
-checkpoints.save(5)  # asynchronous: the orbax writes run in the background
+checkpoints.save(5)  # asynchronous: the writes run in the background
+if ranks.in_mpi_job():
+    # Rank 0 has written every loss before any rank dies: the kill takes the whole job down,
+    # and rank 0 cut off mid-write left OUT empty (seen with the suite run twice at once).
+    ranks.comm_world().Barrier()
 if rank == kill_rank:
     os.kill(os.getpid(), signal.SIGKILL)
 checkpoints.finish(5)  # never completes: the killed process never reports its item
