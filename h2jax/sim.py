@@ -330,9 +330,9 @@ def simulate_plan(
     """Simulate a plan. Costs come from the planner's cost model unless given. Another
     `schedule` than the plan's runs the same stages under it (interleaved: v = 2 unless given)."""
     if costs is None:
-        from h2jax import planner
+        from h2jax.planner.cost_model import stage_costs
 
-        costs = planner.stage_costs(plan, cluster, profile=profile)
+        costs = stage_costs(plan, cluster, profile=profile)
     name = schedule or plan.schedule
     v = virtual_stages if virtual_stages is not None else (
         plan.virtual_stages if name == plan.schedule else (2 if sched.get_schedule(name).virtual else 1))

@@ -158,7 +158,11 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     if len(times) > 1:  # --schedule auto: which schedule won, and by how much
         (won, t_won), *rest = times.items()
         console.print(f"schedule: {won} won; " + ", ".join(
-            f"{name} {t:.4g} s (+{t / t_won - 1:.1%})" for name, t in rest))
+            f"{name} {t:.4g} s ({t / t_won - 1:+.1%})" for name, t in rest))
+    simulated = pred.get("auto_simulated_s") or {}
+    if len(simulated) > 1:  # ZB-H1 was fastest under the closed forms: the simulator decided
+        console.print("  ZB-H1 checked by simulation (its closed form can fall short on uneven stages): "
+                      + ", ".join(f"{name} {t:.4g} s" for name, t in simulated.items()) + " simulated")
     unused = pred.get("chips_unused") or {}
     if unused:
         console.print("chips left unused (faster without them): " + ", ".join(f"{n} x {c}" for c, n in unused.items()))

@@ -129,8 +129,11 @@ def plan_cluster(
         lower_bound_s=stats.lower_bound_s,
         exhaustive=exhaustive,
     )
-    if len(stats.schedule_times) > 1:  # --schedule auto: each schedule's best, fastest first
-        predicted["schedule_times_s"] = dict(sorted(stats.schedule_times.items(), key=lambda kv: kv[1]))
+    if len(stats.schedule_times) > 1:  # --schedule auto: each schedule's best, the plan's first, then fastest first
+        predicted["schedule_times_s"] = dict(sorted(stats.schedule_times.items(),
+                                                    key=lambda kv: (kv[0] != best.label, kv[1])))
+    if stats.auto_simulated:  # ZB-H1 fastest under the cost model: the simulator's step of it and the next
+        predicted["auto_simulated_s"] = dict(stats.auto_simulated)
 
     base: dict[str, Baseline] = {}
     ratio = None
