@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from h2jax.config import ModelConfig, get_config, preset_name
-from h2jax.plan import RECOMPUTE_POLICIES
+from h2jax.plan import RECOMPUTE_POLICIES, Optimizer
 from h2jax.planner import cost_model as cm
 from h2jax.planner import dual_search
 from h2jax.planner.memory_model import GIB
@@ -293,17 +293,16 @@ def _zb_h1_confirmed(found: list[Candidate], cluster, model, seq_len, global_bat
     other = next((c for c in found if c.schedule != best.schedule), None)
     if best.schedule != "zb-h1" or other is None:
         return found
-    from h2jax.sim import simulate
+    from h2jax.sim import rerank_by_simulation
 
-    def simulated(c: Candidate) -> float:
-        plan = candidate_plan(c, get_config(model), seq_len, global_batch)
-        costs = cm.stage_costs(plan, cluster, profile, options)
-        return simulate(costs, plan.n_micro, c.schedule, virtual_stages=c.virtual_stages,
-                        global_clip=False).iteration_s
-
-    mine, theirs = simulated(best), simulated(other)
-    stats.auto_simulated = {best.label: mine, other.label: theirs}
-    if theirs < mine:
+    # plans with the optimizer `options` models, so their costs are the search's
+    optimizer = Optimizer(name=options.optimizer, shard_over_data=options.shard_optimizer)
+    plans = [candidate_plan(c, get_config(model), seq_len, global_batch, optimizer=optimizer)
+             for c in (best, other)]
+    ranked = rerank_by_simulation(plans, cluster, profile)  # `--refine-with-sim`'s ranking: ties keep ZB-H1
+    simulated = {id(plan): result.iteration_s for plan, result in ranked}
+    stats.auto_simulated = {c.label: simulated[id(plan)] for c, plan in zip((best, other), plans)}
+    if ranked[0][0] is plans[1]:
         return [other] + [c for c in found if c is not other]
     return found
 
