@@ -313,11 +313,14 @@ def test_startup_barrier_names_the_missing_rank():
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["early", "early_slow_load"])
 def test_a_rank_that_never_starts_mpi_does_not_hang_the_others(mode):
-    # early_slow_load: the MPI library takes the waiting rank 3 s to load, longer than the
+    # early_slow_load: the MPI library takes the waiting rank 10 s to load, longer than the
     # start-up timeout. A watchdog armed before the load fired before that rank had joined
     # the job, and mpiexec does not clean up after a process that never joined: the job hung
     # until the sleeping rank woke (seen on a loaded CI machine with the 2 s timeout).
-    timeout = {"early": "2", "early_slow_load": "1"}[mode]
+    # The same holds for a watchdog that fires inside MPI_Init before it has reached the
+    # launcher, which took over 1 s on a loaded CI machine (20 ms idle): the timeouts here
+    # leave MPI_Init seconds for that, as H2JAX_MPI_STARTUP_TIMEOUT's default (120 s) does.
+    timeout = {"early": "5", "early_slow_load": "4"}[mode]
     proc, _ = mpiexec(2, "fail.py", mode, "1", timeout=120, env={"H2JAX_MPI_STARTUP_TIMEOUT": timeout})
     assert proc.returncode != 0
     assert "_mpi_init_waits_for_every_rank_of_the_job" in proc.stderr

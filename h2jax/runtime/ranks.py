@@ -111,7 +111,10 @@ def init_mpi(timeout_s: float | None = None):
     The library is loaded first and only MPI_Init runs under the watchdog: a rank whose timer
     fired while it was still loading libmpi (slow on a loaded machine) would leave before
     joining the job, and mpiexec does not clean up after a process that never joined it, so
-    the rank that never started would keep the job alive."""
+    the rank that never started would keep the job alive. For the same reason the timeout must
+    leave MPI_Init time to reach the launcher before it waits for the other ranks (20 ms on an
+    idle machine, over a second on a loaded one): keep H2JAX_MPI_STARTUP_TIMEOUT at seconds or
+    more."""
     mpi = _load_mpi_library()
     if mpi.Is_initialized():
         return mpi.COMM_WORLD
