@@ -130,6 +130,20 @@ def test_world_size_comes_from_the_launcher_environment(monkeypatch):
     assert mpi_world_size() == 3
 
 
+def test_a_startup_timeout_too_short_to_start_mpi_is_refused(monkeypatch):
+    from h2jax.config import ConfigError
+    from h2jax.runtime.ranks import MIN_STARTUP_TIMEOUT_S, default_startup_timeout
+
+    monkeypatch.delenv("H2JAX_MPI_STARTUP_TIMEOUT", raising=False)
+    assert default_startup_timeout() == 120.0
+    monkeypatch.setenv("H2JAX_MPI_STARTUP_TIMEOUT", str(MIN_STARTUP_TIMEOUT_S))
+    assert default_startup_timeout() == MIN_STARTUP_TIMEOUT_S
+    for bad, why in (("1", "is below 5 s"), ("nan", "is below 5 s"), ("2m", "is not a number of seconds")):
+        monkeypatch.setenv("H2JAX_MPI_STARTUP_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match=f"H2JAX_MPI_STARTUP_TIMEOUT=.*{why}"):
+            default_startup_timeout()
+
+
 # ----------------------------------------------------------------------------- under mpiexec
 
 
@@ -311,6 +325,13 @@ def test_startup_barrier_names_the_missing_rank():
 
 
 @pytest.mark.mpi
+def test_a_too_short_startup_timeout_ends_the_job_before_mpi_starts_with_one_error():
+    proc, _ = mpiexec(2, "fail.py", "raise", "1", timeout=120, env={"H2JAX_MPI_STARTUP_TIMEOUT": "1"})
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("H2JAX_MPI_STARTUP_TIMEOUT=1 is below 5 s") == 1, proc.stderr
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["early", "early_slow_load"])
 def test_a_rank_that_never_starts_mpi_does_not_hang_the_others(mode):
     # early_slow_load: the MPI library takes the waiting rank 10 s to load, longer than the
@@ -319,8 +340,8 @@ def test_a_rank_that_never_starts_mpi_does_not_hang_the_others(mode):
     # until the sleeping rank woke (seen on a loaded CI machine with the 2 s timeout).
     # The same holds for a watchdog that fires inside MPI_Init before it has reached the
     # launcher, which took over 1 s on a loaded CI machine (20 ms idle): the timeouts here
-    # leave MPI_Init seconds for that, as H2JAX_MPI_STARTUP_TIMEOUT's default (120 s) does.
-    timeout = {"early": "5", "early_slow_load": "4"}[mode]
+    # leave MPI_Init seconds for that: H2JAX_MPI_STARTUP_TIMEOUT below 5 s is refused.
+    timeout = {"early": "5", "early_slow_load": "5"}[mode]
     proc, _ = mpiexec(2, "fail.py", mode, "1", timeout=120, env={"H2JAX_MPI_STARTUP_TIMEOUT": timeout})
     assert proc.returncode != 0
     assert "_mpi_init_waits_for_every_rank_of_the_job" in proc.stderr

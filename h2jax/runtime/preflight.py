@@ -180,16 +180,14 @@ def check(plan, reports: Sequence[RankReport | None], **kw) -> None:
         raise PreflightError(f"pre-flight: {problems[0]}{more}")
 
 
-def run_preflight(plan, rank: int, comm, *, setup_error: BaseException | None = None,
-                  timeout_s: float | None = None) -> list[RankReport] | None:
+def run_preflight(plan, rank: int, comm, *, timeout_s: float,
+                  setup_error: BaseException | None = None) -> list[RankReport] | None:
     """Every rank sends its report to rank 0, which checks them all and raises a
     PreflightError on a mismatch; the other ranks wait for rank 0's word and, on a mismatch,
     exit with status 2 without a word of their own (the launcher ends any rank that never
     reported once one exits non-zero). Returns the reports on rank 0."""
     from mpi4py import MPI
 
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("H2JAX_MPI_STARTUP_TIMEOUT", "120"))
     stage_of = [i for i, s in enumerate(plan.stages) for _ in range(s.processes)]
     report = local_report(rank, stage_jax_platform(plan.stages[stage_of[rank]].chip), setup_error)
     tag = int(comm.Get_attr(MPI.TAG_UB)) - 2  # below the start-up barrier's two tags

@@ -113,19 +113,32 @@ def init_mpi(timeout_s: float | None = None):
     joining the job, and mpiexec does not clean up after a process that never joined it, so
     the rank that never started would keep the job alive. For the same reason the timeout must
     leave MPI_Init time to reach the launcher before it waits for the other ranks (20 ms on an
-    idle machine, over a second on a loaded one): keep H2JAX_MPI_STARTUP_TIMEOUT at seconds or
-    more."""
+    idle machine, over a second on a loaded one): H2JAX_MPI_STARTUP_TIMEOUT below
+    MIN_STARTUP_TIMEOUT_S is refused."""
+    timeout_s = _startup_timeout(timeout_s)
     mpi = _load_mpi_library()
     if mpi.Is_initialized():
         return mpi.COMM_WORLD
     import faulthandler
 
-    timeout_s = default_startup_timeout() if timeout_s is None else timeout_s
     faulthandler.dump_traceback_later(timeout_s, exit=True)  # prints where it hung, _exit(1)
     try:
         return _mpi_init_waits_for_every_rank_of_the_job(mpi)
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _startup_timeout(given: float | None) -> float:
+    """`given`, or H2JAX_MPI_STARTUP_TIMEOUT; checked before MPI starts, where every rank
+    finds the same bad value: rank 0 says so, the others leave without a word."""
+    if given is not None:
+        return given
+    try:
+        return default_startup_timeout()
+    except ConfigError:
+        if mpi_rank() == 0:
+            raise
+        sys.exit(2)
 
 
 def _load_mpi_library():
@@ -161,6 +174,7 @@ def configure_process_for_plan(plan, *, startup_timeout_s: float | None = None) 
     ranks at a start-up barrier. Returns this process's role."""
     from h2jax.runtime import jaxsetup, preflight
 
+    startup_timeout_s = _startup_timeout(startup_timeout_s)
     comm = init_mpi(startup_timeout_s)
     try:
         role = role_for_rank(plan_processes(plan), comm.rank, comm.size)
@@ -198,8 +212,28 @@ def _describe_rank(role: ProcessRole, rank: int) -> str:
     return f"rank {rank} (stage {stage})"
 
 
+# A start-up timeout must leave MPI_Init time to reach the launcher (init_mpi): 20 ms on an
+# idle machine, over a second on a loaded CI machine, where a 1 s timeout hung the job.
+MIN_STARTUP_TIMEOUT_S = 5.0
+
+
 def default_startup_timeout() -> float:
-    return float(os.environ.get("H2JAX_MPI_STARTUP_TIMEOUT", "120"))
+    """H2JAX_MPI_STARTUP_TIMEOUT in seconds (default 120), refused below MIN_STARTUP_TIMEOUT_S
+    or when it is not a number."""
+    raw = os.environ.get("H2JAX_MPI_STARTUP_TIMEOUT", "120")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"H2JAX_MPI_STARTUP_TIMEOUT={raw!r} is not a number of seconds; set it to e.g. 120 (the default)"
+        ) from None
+    if not value >= MIN_STARTUP_TIMEOUT_S:  # (NaN too)
+        raise ConfigError(
+            f"H2JAX_MPI_STARTUP_TIMEOUT={raw} is below {MIN_STARTUP_TIMEOUT_S:g} s: MPI_Init itself can take "
+            "over a second on a loaded machine, and a rank that gives up before it has reached the "
+            f"launcher can leave the job hanging; set it to {MIN_STARTUP_TIMEOUT_S:g} or more (default 120)"
+        )
+    return value
 
 
 class MPIStartupError(RuntimeError):
