@@ -26,7 +26,7 @@ from pathlib import Path
 from h2jax.cluster import Cluster, load_cluster
 from h2jax.plan import Plan
 from h2jax.planner import cost_model, plan_cluster
-from h2jax.sim import simulate_plan
+from h2jax.sim_plans import simulate_plan
 from h2jax.speedup import parse_tokens, sequences
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,6 +11,9 @@ from __future__ import annotations
 # --- per step
 STEP = "step"
 STEP_TIME_S = "step_time_s"  # one optimizer step (an iteration), seconds
+# the schedule's closed form of the same step, where that form is the search's estimate only
+# (ZB-H1: the predicted step replays the schedule's order)
+CLOSED_FORM_STEP_TIME_S = "closed_form_step_time_s"
 TOKENS_PER_S = "tokens_per_s"
 TOKENS_PER_CHIP_PER_S = "tokens_per_chip_per_s"  # TGS, over every chip of the cluster
 TOKENS_PER_USED_CHIP_PER_S = "tokens_per_used_chip_per_s"  # over the chips a plan uses

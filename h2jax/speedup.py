@@ -104,7 +104,7 @@ class Run:
 def _simulated(plan: Plan, cluster: Cluster, profile: Profile | None) -> tuple[float, float, float]:
     """(closed-form seconds, simulated seconds, bubble fraction) per step of a plan."""
     from h2jax.planner import cost_model
-    from h2jax.sim import simulate_plan
+    from h2jax.sim_plans import simulate_plan
 
     costs = cost_model.stage_costs(plan, cluster, profile)
     closed = cost_model.iteration_time(costs, plan.n_micro, plan.schedule, plan.virtual_stages)

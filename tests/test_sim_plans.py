@@ -15,7 +15,8 @@ from h2jax.plan import load_plan
 from h2jax.planner import cost_model
 from h2jax.planner.search import candidate_plan, top_k
 from h2jax.planner.stage_cost import StageCost
-from h2jax.sim import plan_report, rerank_by_simulation, simulate, simulate_plan
+from h2jax.sim import simulate
+from h2jax.sim_plans import plan_report, rerank_by_simulation, simulate_plan
 from h2jax.speedup import compare, parse_tokens, sequences
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -68,7 +68,7 @@ def violations(graph: dict[str, set[str]], external: dict[str, set[str]]) -> lis
     rules = [
         (lambda m: m in ("h2jax.config", "h2jax.model"),
          ("h2jax.runtime", "h2jax.transport", "h2jax.planner"), "the model"),
-        (lambda m: _in(m, "h2jax.planner") or _in(m, "h2jax.schedules") or m in ("h2jax.sim", "h2jax.schedule"),
+        (lambda m: _in(m, "h2jax.planner") or _in(m, "h2jax.schedules") or m in ("h2jax.sim", "h2jax.sim_plans", "h2jax.schedule"),
          ("h2jax.runtime", "h2jax.transport", "jax", "flax", "optax"), "planner and simulator"),
         (lambda m: _in(m, "h2jax.transport"),
          ("h2jax.runtime", "h2jax.model", "h2jax.planner"), "transport"),

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from h2jax.config import ConfigError
+from h2jax import names as N
 from h2jax.names import format_layers, format_mesh
 
 
@@ -110,7 +111,7 @@ def refined_by_simulation(result: Any, cluster: Any, profile: Any) -> Any:
 
     from h2jax.planner.cost_model import CostOptions
     from h2jax.planner.heteroauto import predict
-    from h2jax.sim import rerank_by_simulation
+    from h2jax.sim_plans import rerank_by_simulation
 
     candidates = result.candidate_plans()
     ranked = rerank_by_simulation(candidates, cluster, profile)
@@ -154,6 +155,10 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
         f"step {pred['step_time_s']:.4g} s, {pred['tokens_per_s']:,.0f} tokens/s, "
         f"TGS {pred['tokens_per_chip_per_s']:,.1f} tokens/chip/s, MFU {pred['mfu']:.1%}, bubble {pred['bubble_fraction']:.1%}"
     )
+    closed = pred.get(N.CLOSED_FORM_STEP_TIME_S)
+    if closed is not None:  # ZB-H1: the step replays its order; the search ranked by its closed form
+        console.print(f"  {plan.schedule}'s order replayed; its closed form, which the search ranks by, "
+                      f"gives {closed:.4g} s ({closed / pred['step_time_s'] - 1:+.1%})")
     times = pred.get("schedule_times_s") or {}
     if len(times) > 1:  # --schedule auto: which schedule won, and by how much
         (won, t_won), *rest = times.items()
@@ -166,7 +171,8 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     unused = pred.get("chips_unused") or {}
     if unused:
         console.print("chips left unused (faster without them): " + ", ".join(f"{n} x {c}" for c, n in unused.items()))
-    opt = "proved optimal under the cost model" if pred.get("proved_optimal", True) else "NOT proved optimal (time limit)"
+    under = "the schedule's closed form" if closed is not None else "the cost model"
+    opt = f"proved optimal under {under}" if pred.get("proved_optimal", True) else "NOT proved optimal (time limit)"
     console.print(
         f"search: {pred['search_time_s']:.3f} s, {pred['plans_evaluated']:,} plans evaluated, "
         f"{pred['configs_visited']:,} of {pred['space_size']:,} stage lists visited; {opt}"

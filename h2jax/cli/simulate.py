@@ -11,7 +11,7 @@ from h2jax.cli.options import nonnegative_float, output_path, positive_int
 from h2jax.cluster import load_cluster
 from h2jax.names import format_layers, format_mesh
 from h2jax.plan import check_schedule_size, load_plan
-from h2jax.sim import chips_for, plan_report, simulate_plan, under_schedule
+from h2jax.sim_plans import chips_for, plan_report, simulate_plan, under_schedule
 
 
 def add_parser(sub) -> None:

@@ -464,14 +464,22 @@ def _check(costs: list[StageCost], n_micro: int) -> None:
         raise ConfigError(f"n_micro must be >= 1, got {n_micro}")
 
 
-def pipeline_time(costs: list[StageCost], n_micro: int, schedule: str = "1f1b", v: int = 1) -> float:
-    """Closed-form seconds of one step's pipeline phase (fill, steady state, drain): the
-    schedule's `ClosedForm` (h2jax/schedules/)."""
+def pipeline_time(
+    costs: list[StageCost], n_micro: int, schedule: str = "1f1b", v: int = 1, *, closed_form: bool = False
+) -> float:
+    """Seconds of one step's pipeline phase (fill, steady state, drain): the schedule's
+    `ClosedForm` (h2jax/schedules/), or, for a schedule whose closed form is not exact
+    (ZB-H1) and unless `closed_form`, its order replayed by the simulator (first compute
+    start to last compute end: the same phase, links included)."""
     _check(costs, n_micro)
     try:
         form = get_schedule(schedule).closed_form
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if not (form.exact or closed_form):
+        from h2jax import sim  # (sim imports this module)
+
+        return float(sim.simulate(costs, n_micro, schedule, virtual_stages=v, global_clip=False).pipeline_s)
     links = sum(c.send_s + c.link_latency_s for c in costs)
     return float(form.pipeline_time(
         [c.forward_s for c in costs], [c.backward_s for c in costs], [c.backward_weight_s for c in costs],
@@ -479,15 +487,18 @@ def pipeline_time(costs: list[StageCost], n_micro: int, schedule: str = "1f1b", 
     ))
 
 
-def iteration_time(costs: list[StageCost], n_micro: int, schedule: str = "1f1b", v: int = 1) -> float:
-    """Closed-form seconds of one optimizer step: the pipeline phase, then the slowest stage's
-    data-parallel reduction and optimizer step."""
+def iteration_time(
+    costs: list[StageCost], n_micro: int, schedule: str = "1f1b", v: int = 1, *, closed_form: bool = False
+) -> float:
+    """Seconds of one optimizer step: the pipeline phase (`pipeline_time`), then the slowest
+    stage's data-parallel reduction and optimizer step. `closed_form`: the schedule's closed
+    form even where it is not exact (what the search optimises)."""
     tail = max(c.dp_reduce_s + c.optimizer_s for c in costs) if costs else 0.0
-    return pipeline_time(costs, n_micro, schedule, v) + tail
+    return pipeline_time(costs, n_micro, schedule, v, closed_form=closed_form) + tail
 
 
 def bubble_fraction(costs: list[StageCost], n_micro: int, schedule: str = "1f1b", v: int = 1) -> float:
     """The schedule's bubble fraction for these stages (h2jax.schedules.bubble_fraction over the
-    closed-form pipeline phase): (p-1)/(m+p-1) under 1F1B when uniform, 0 for one stage."""
+    pipeline phase, `pipeline_time`): (p-1)/(m+p-1) under 1F1B when uniform, 0 for one stage."""
     busy = [n_micro * (c.forward_s + c.backward_s) for c in costs]
     return _bubble(busy, pipeline_time(costs, n_micro, schedule, v))

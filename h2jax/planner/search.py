@@ -293,7 +293,7 @@ def _zb_h1_confirmed(found: list[Candidate], cluster, model, seq_len, global_bat
     other = next((c for c in found if c.schedule != best.schedule), None)
     if best.schedule != "zb-h1" or other is None:
         return found
-    from h2jax.sim import rerank_by_simulation
+    from h2jax.sim_plans import rerank_by_simulation
 
     # plans with the optimizer `options` models, so their costs are the search's
     optimizer = Optimizer(name=options.optimizer, shard_over_data=options.shard_optimizer)

@@ -25,8 +25,9 @@ excluded) in which a stage computes nothing,
 
     bubble = 1 - sum_i m*(f_i + b_i) / (p * T_pipe),
 
-with f_i + b_i stage i's forward and whole backward per micro-batch and T_pipe the schedule's
-closed-form pipeline time (`ClosedForm.pipeline_time`). It is 0 for one stage. The simulator
+with f_i + b_i stage i's forward and whole backward per micro-batch and T_pipe the cost
+model's pipeline time (`cost_model.pipeline_time`: the schedule's closed form, or, where that
+is not exact (ZB-H1), its order replayed). It is 0 for one stage. The simulator
 reports the same quantity measured on its replayed timeline as the *simulated* bubble.
 """
 
@@ -73,13 +74,17 @@ class ClosedForm:
     fill_i is `fill_last` on the last stage and `fill` elsewhere; send_floor is the largest
     send (times v when `chunked`: each micro-batch crosses every link once per chunk).
     The planner's exact search builds its objective from these coefficients, so what it
-    optimises is what the cost model reports.
+    optimises is what the cost model reports -- for a schedule whose form is `exact`. One
+    that is not (ZB-H1: its form is the paper's uniform case and falls short of its own
+    order on uneven stages) is the search's estimate only: a plan's pipeline time is then its
+    order replayed (cost_model.pipeline_time).
     """
 
     fill: tuple[float, float, float]
     fill_last: tuple[float, float, float]
     steady: tuple[tuple[float, float, float], ...]
     chunked: bool = False  # interleaved: weight m - 1/v, fill / v, send floor v * send
+    exact: bool = True  # never below the replay of the schedule's order (see above)
 
     def steady_weight(self, m: int, v: int = 1) -> float:
         return m - 1.0 / v if self.chunked else m - 1.0
