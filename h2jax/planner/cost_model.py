@@ -93,6 +93,7 @@ interleaved 1F1B the last stage also sends to the first (chunk c to chunk c + 1)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping
 
 from h2jax.cluster import MACHINE_BALANCE, ChipType, Cluster, EfficiencyCurve
@@ -477,14 +478,23 @@ def pipeline_time(
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not (form.exact or closed_form):
-        from h2jax import sim  # (sim imports this module)
-
-        return float(sim.simulate(costs, n_micro, schedule, virtual_stages=v, global_clip=False).pipeline_s)
+        return _replayed_pipeline_time(tuple(costs), n_micro, schedule, v)
     links = sum(c.send_s + c.link_latency_s for c in costs)
     return float(form.pipeline_time(
         [c.forward_s for c in costs], [c.backward_s for c in costs], [c.backward_weight_s for c in costs],
         links, max(c.send_s for c in costs), n_micro, v,
     ))
+
+
+@functools.lru_cache(maxsize=64)
+def _replayed_pipeline_time(costs: tuple[StageCost, ...], n_micro: int, schedule: str, v: int) -> float:
+    """The schedule's order replayed by the simulator: its pipeline phase. Kept for the last
+    few stage lists, since a plan's step time and its bubble fraction (asked for together by
+    predict, calibrate, the simulator's report and the speedup) both need it, and a replay of
+    thousands of micro-batches takes a while."""
+    from h2jax import sim  # (sim imports this module)
+
+    return float(sim.simulate(costs, n_micro, schedule, virtual_stages=v, global_clip=False).pipeline_s)
 
 
 def iteration_time(

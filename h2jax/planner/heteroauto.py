@@ -18,6 +18,7 @@ from h2jax.planner.memory_model import GIB
 from h2jax.planner.profile import Profile
 from h2jax.planner.search import Candidate, PlannerError, SearchStats, candidate_plan, top_k
 from h2jax.planner.space import chunk_ranges
+from h2jax.schedules import get_schedule
 
 
 @dataclasses.dataclass
@@ -51,7 +52,8 @@ def predict(
     t = cm.iteration_time(costs, plan.n_micro, plan.schedule, plan.virtual_stages)
     # what the search optimised, where the schedule's closed form is not exact (ZB-H1: t
     # replays its order)
-    closed = cm.iteration_time(costs, plan.n_micro, plan.schedule, plan.virtual_stages, closed_form=True)
+    closed = None if get_schedule(plan.schedule).closed_form.exact else cm.iteration_time(
+        costs, plan.n_micro, plan.schedule, plan.virtual_stages, closed_form=True)
     tokens_per_s = plan.tokens_per_step / t
     used = Counter()
     for s in plan.stages:
@@ -66,7 +68,7 @@ def predict(
             )
     return {
         N.STEP_TIME_S: t,
-        **({} if closed == t else {N.CLOSED_FORM_STEP_TIME_S: closed}),
+        **({} if closed is None else {N.CLOSED_FORM_STEP_TIME_S: closed}),
         N.TOKENS_PER_S: tokens_per_s,
         N.TOKENS_PER_CHIP_PER_S: tokens_per_s / cluster.n_chips,
         N.TOKENS_PER_USED_CHIP_PER_S: tokens_per_s / sum(used.values()),
