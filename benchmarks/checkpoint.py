@@ -9,7 +9,9 @@ Prints one JSON object. Goals: save and restore >= 0.7 of plain numpy; overhead 
 The overhead is measured in `--blocks` alternating blocks of `--steps` steps without and with
 saving after every step, so a change of the machine's load falls on both sides alike; the
 first step of each saving block is not counted (no earlier write is in flight during it,
-which would flatter saving), and each side's figure is the median step. Save and restore
+which would flatter saving), and each side's figure is the median step; the overhead of
+each pair of blocks alone is reported too (median, min, max), to show how much the load
+moved it. Save and restore
 throughput are medians of `--rounds` rounds, each side by side with plain numpy.
 
 Where a saving step's extra time goes is reported too: the training thread's own part of a
@@ -174,6 +176,7 @@ def main() -> None:
 
     # --- step-time overhead: blocks alternate no saving and saving after every step
     plain_steps, saving_steps, waits, starts, writes = [], [], [], [], []
+    by_block = []  # each block pair's median saving step over its median plain step, minus 1
     cpu_plain, cpu_saving = [], []
     writer = ckpt.CheckpointWriter(base / "every-step", keep=2)
     n = 1
@@ -199,6 +202,7 @@ def main() -> None:
                 starts.append(t3 - t2)
             writes.append(writer._pending[2][0])
             n += 1
+        by_block.append(float(np.median(saving_steps[-args.steps:]) / np.median(plain_steps[-args.steps:]) - 1))
         writer.wait()  # the next block's plain steps do not pay for this block's last write
     saved = ckpt.complete_steps(base / "every-step")
     shutil.rmtree(base / "every-step")
@@ -218,6 +222,8 @@ def main() -> None:
         "restore_vs_plain": med(plain_load_s) / med(restore_s),
         "step_s_no_saving": step_plain, "step_s_async_save_every_step": step_saving,
         "save_every_step_overhead": step_saving / step_plain - 1.0,
+        # The same, block pair by block pair: how much the figure above moves with the load.
+        "save_every_step_overhead_by_block": {"median": med(by_block), "min": min(by_block), "max": max(by_block)},
         "saving_step_training_thread_s": med(starts), "saving_step_wait_for_previous_write_s": med(waits),
         "background_write_s": med(write_s),
         "background_write_cpu_s": med([w.cpu_seconds for w in writes]),

@@ -110,19 +110,26 @@ def test_a_damaged_piece_of_a_written_file_is_read_as_what_it_holds_not_silently
         ckpt.unpack_leaf("a", tree["a"], [(layout["g"], data)], "where")
 
 
-def test_saving_every_step_each_checkpoint_holds_its_step(dataset, tmp_path):  # noqa: F811
+def test_saving_every_step_each_checkpoint_holds_its_step(dataset, tmp_path, monkeypatch):  # noqa: F811
     """Each save lays its groups out from the layouts cached at the first: the values are
-    each step's own."""
+    each step's own. Every save is written by one thread the writer keeps (the training
+    thread starts none), which `close` ends."""
     plan = make_plan(TWO)
     trainer = Trainer(plan, emulate_time=False)
     writer = ckpt.CheckpointWriter(tmp_path)
+    threads, real_write = set(), ckpt.write_data_file
+    monkeypatch.setattr(ckpt, "write_data_file", lambda *a: threads.add(threading.get_ident()) or real_write(*a))
     params = {}
     for step in (1, 2, 3):
         train(trainer, dataset, step - 1, 1)
         params[step] = trainer.params_numpy()
         writer.save(step, trainer.executors, ckpt.checkpoint_meta(plan, step))
         writer.settle()
+    writer_thread = writer._writer._thread
+    assert writer_thread.name == "h2jax-ckpt-write"
+    assert threads == {writer_thread.ident} != {threading.get_ident()}
     writer.close()
+    assert not writer_thread.is_alive()
     for step in (1, 2, 3):
         fresh = Trainer(plan, emulate_time=False)
         ckpt.open_checkpoint(tmp_path, plan, step=step).restore_all(fresh.executors.values())
@@ -206,12 +213,32 @@ def test_the_writer_runs_in_the_idle_class_in_one_process_only(monkeypatch):
     assert ckpt.LocalWorld.writer_idle_class is True
     assert ckpt.TransportWorld.writer_idle_class is False  # MPI ranks busy-wait on shared cores
     seen = []
-    monkeypatch.setattr(ckpt, "lower_thread_priority", lambda tid, idle_class: seen.append((tid, idle_class)))
-    w = ckpt._ItemWrite.__new__(ckpt._ItemWrite)
-    w.idle_class, w.path = True, None
-    w.done = threading.Event()
-    w._write({})  # fails at the write (no path): the priority was set first
-    assert seen == [(threading.get_native_id(), True)] and w.error is not None
+    monkeypatch.setattr(ckpt, "lower_thread_priority", lambda tid, idle_class: seen.append(
+        (tid == threading.get_native_id(), threading.current_thread().name, idle_class)))
+    for idle in (True, False):  # the thread lowers its own priority before its first job
+        ckpt._Worker("h2jax-ckpt-write", lower=True, idle_class=idle).stop()
+    ckpt._Worker("h2jax-ckpt-commit").stop()  # the commits' thread keeps its priority
+    assert seen == [(True, "h2jax-ckpt-write", True), (True, "h2jax-ckpt-write", False)]
+
+
+def test_an_exiting_interpreter_finishes_the_commit_in_flight_first(tmp_path):
+    """The commit thread is a daemon the writer keeps; an interpreter that exits while it has
+    a commit to run (given, not yet run) runs it first. It does not wait for a write: a job
+    given to a worker without finish_at_exit (here one that would never end) is dropped."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import pathlib, threading, time
+        from h2jax.runtime import checkpoint as ckpt
+        def commit():
+            time.sleep(0.5)
+            pathlib.Path({str(tmp_path)!r}, "committed").write_text("done")
+        ckpt._Worker("write", lower=True).submit(threading.Event().wait)
+        ckpt._Worker("commit", finish_at_exit=True).submit(commit)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert (tmp_path / "committed").read_text() == "done"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread scheduling classes are Linux's")

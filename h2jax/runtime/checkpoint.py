@@ -57,6 +57,8 @@ import json
 import math
 import mmap
 import os
+import atexit
+import queue
 import re
 import shutil
 import threading
@@ -64,7 +66,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import crc32c
 import jax
@@ -521,10 +523,11 @@ def _layout_file(item: Path, process: int) -> Path:
 
 
 class _ItemWrite:
-    """This process's part of one checkpoint, written in a background thread.
+    """This process's part of one checkpoint, written by the writer's background thread
+    (`_Worker`).
 
-    The training thread only hands over the state's arrays (StageExecutor.share_state: no
-    copy); writing them (`write_data_file`) and the layout runs off the training thread.
+    The training thread only hands over the stages' arrays by group (StageExecutor.share_state:
+    no copy); writing them (`write_data_file`) and the layout run off the training thread.
 
     Each process of a writing unit writes its own file of the item (`p<k>.bin`, k its index
     among the unit's processes: one stage spanning processes writes one item, each process
@@ -532,25 +535,23 @@ class _ItemWrite:
     file's size and CRC-32C: process 0 in the item's manifest, process k in
     `<item>.p<k>.layout`. No process waits for another: the commit does."""
 
-    def __init__(self, pending: Path, name: str, snapshot: dict, idle_class: bool = False):
-        self.path, self.idle_class = pending / name, idle_class
+    def __init__(self, pending: Path, name: str, snapshot: dict):
+        self.path, self.snapshot = pending / name, snapshot
         self.error: BaseException | None = None
         self.seconds: float | None = None  # how long the write took, once done
         self.cpu_seconds: float | None = None  # the CPU time of this thread's part of it
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._write, args=(snapshot,), name=f"h2jax-ckpt-{name}",
-                                       daemon=True)
-        self.thread.start()
 
-    def _write(self, snapshot: dict) -> None:
+    def write(self) -> None:
+        """Run in the writer's thread; sets `done` (and `error`, on failure) when finished."""
         start = time.perf_counter()
         cpu_start = time.thread_time()
-        lower_thread_priority(threading.get_native_id(), idle_class=self.idle_class)
+        snapshot, self.snapshot = self.snapshot, None  # the stages' old state goes as soon as it is written
         try:
             me = jax.process_index()
             self.path.mkdir(parents=True, exist_ok=True)
             layout, spans, size_crc = write_data_file(self.path / _data_file(me), snapshot)
-            del snapshot  # the stages' old state goes as soon as it is written
+            del snapshot
             record = {"groups": layout, "spans": spans, "files": {_data_file(me): size_crc}}
             if me == 0:
                 _write_json(self.path.with_name(self.path.name + MANIFEST),
@@ -565,9 +566,48 @@ class _ItemWrite:
             self.done.set()
 
     def wait(self) -> None:
-        """Until written (or failed) and the thread has ended: no thread outlives its write."""
+        """Until written (or failed)."""
         self.done.wait()
-        self.thread.join()
+
+
+class _Worker:
+    """A background thread that runs the jobs it is given, one after another: a
+    CheckpointWriter's writes in one (its priority lowered, `lower_thread_priority`), its
+    commits in another. Started once and kept, so a save or a commit hands its work over
+    without starting a thread: `Thread.start` waits until the new thread has taken the
+    interpreter lock, which cost the training thread about half a millisecond a save.
+
+    A daemon; with `finish_at_exit` an exiting interpreter first runs the jobs already given
+    (a commit: its checkpoint is written and agreed, and nothing written is lost). A write
+    is not finished: a process that dies mid-write leaves a pending directory, never a
+    checkpoint."""
+
+    def __init__(self, name: str, *, lower: bool = False, idle_class: bool = False, finish_at_exit: bool = False):
+        self.lower, self.idle_class = lower, idle_class
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._at_exit = finish_at_exit
+        if finish_at_exit:
+            atexit.register(self.stop)
+
+    def _run(self) -> None:
+        if self.lower:
+            lower_thread_priority(threading.get_native_id(), idle_class=self.idle_class)
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """After the jobs given so far; returns once the thread has ended."""
+        if self._at_exit:
+            atexit.unregister(self.stop)
+            self._at_exit = False
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
 
 
 # How much lower than training the checkpoint writer runs (Linux niceness, added to the
@@ -610,8 +650,10 @@ class CheckpointWriter:
         self._pending: tuple[int, dict, list[_ItemWrite]] | None = None
         # The primary's commit of an agreed checkpoint (checkpoint.json, rename, fsyncs,
         # pruning: ~10 ms of file-system waits) runs here, off the training thread.
-        self._committing: threading.Thread | None = None
+        self._committing: threading.Event | None = None  # set when the commit in flight is done
         self._commit_error: tuple[Path, BaseException] | None = None
+        self._writer: _Worker | None = None  # the write thread, from the first save on
+        self._committer: _Worker | None = None  # the commit thread, from the first commit on
         self.last_committed: Path | None = None
         if self.world.is_primary:
             # Left by a crash: never complete, never read. (Other processes start writing only
@@ -640,20 +682,21 @@ class CheckpointWriter:
                              f"{[u[0] for u in units]} of its world")
         meta = {**meta, "groups": group_index(plan, units)}
         pending = self.directory / (step_dir(self.directory, step).name + PENDING)
-        pending.mkdir(parents=True, exist_ok=True)
+        pending.mkdir(parents=True, exist_ok=True)  # from now on a crash leaves it, never a checkpoint
+        # The stages' own arrays, which their next update leaves in place (share_state): no
+        # copy. (Packing each group on the devices instead cost the CPU backend twice the
+        # host packing's time: XLA's byte-wise concatenation and the gather of its pieces.)
+        # Regrouped here, not in the writer: Python work in a low-priority thread holds the
+        # interpreter lock the training thread waits for while that thread waits for a core.
         snapshot: dict = {}
         for i in mine:  # every layer chunk of an interleaved stage
             for ex in getattr(executors[i], "chunks", None) or [executors[i]]:
-                snapshot.update(self._snapshot(ex))
-        self._pending = (step, meta, [_ItemWrite(pending, item_name(plan, mine), snapshot,
-                                                     self.world.writer_idle_class)])
-
-    def _snapshot(self, ex) -> dict:
-        """The stage's state as it is now, by group: its own arrays, which its next update
-        leaves in place (StageExecutor.share_state), so taking it costs no copy. (Packing each
-        group on the devices instead cost the CPU backend twice the host packing's time: XLA's
-        byte-wise concatenation and the gather of its pieces.)"""
-        return group_trees(*ex.share_state())
+                snapshot.update(group_trees(*ex.share_state()))
+        write = _ItemWrite(pending, item_name(plan, mine), snapshot)
+        if self._writer is None:
+            self._writer = _Worker("h2jax-ckpt-write", lower=True, idle_class=self.world.writer_idle_class)
+        self._pending = (step, meta, [write])
+        self._writer.submit(write.write)
 
     def _local_done(self) -> bool:
         step, _, writes = self._pending
@@ -701,10 +744,18 @@ class CheckpointWriter:
         if not self.world.is_primary:
             self.last_committed = final
         elif background:
-            # Not a daemon: an interpreter that exits meanwhile finishes the commit first.
-            self._committing = threading.Thread(target=self._commit_files, args=(final, meta, True),
-                                                name="h2jax-ckpt-commit")
-            self._committing.start()
+            # An interpreter that exits meanwhile finishes the commit first (finish_at_exit).
+            if self._committer is None:
+                self._committer = _Worker("h2jax-ckpt-commit", finish_at_exit=True)
+            done = self._committing = threading.Event()
+
+            def commit() -> None:
+                try:
+                    self._commit_files(final, meta, in_thread=True)
+                finally:
+                    done.set()
+
+            self._committer.submit(commit)
         else:
             self._commit_files(final, meta)
         return final
@@ -726,7 +777,7 @@ class CheckpointWriter:
 
     def _join_commit(self) -> None:
         if self._committing is not None:
-            self._committing.join()
+            self._committing.wait()
             self._committing = None
         if self._commit_error is not None:
             final, e = self._commit_error
@@ -740,7 +791,14 @@ class CheckpointWriter:
             _remove(step_dir(self.directory, step))
 
     def close(self) -> Path | None:
-        return self.wait()
+        """`wait`, then end the writer's threads."""
+        try:
+            return self.wait()
+        finally:
+            for worker in (self._writer, self._committer):
+                if worker is not None:
+                    worker.stop()
+            self._writer = self._committer = None
 
 
 def _remove(path: Path) -> None:
@@ -1067,7 +1125,8 @@ class RunCheckpoints:
     """The checkpoints of one training run (`h2jax run --checkpoint-dir D --save-every N
     --keep K`): `after_step(step)` on every process after every step starts an asynchronous
     save every `save_every` steps and otherwise commits the one in flight once written;
-    `finish(step)` saves `step` unless it is already saved and waits for the commit."""
+    `finish(step)` saves `step` unless it is already saved, waits for the commit and ends the
+    writer's threads."""
 
     def __init__(self, trainer, directory, *, save_every: int | None = None, keep: int | None = None,
                  dataset=None):
@@ -1099,5 +1158,5 @@ class RunCheckpoints:
     def finish(self, step: int) -> Path:
         if self.saved_step != step:
             self.save(step)
-        path = self.writer.wait()
+        path = self.writer.close()  # its threads end; a later save starts them again
         return path if path is not None else step_dir(self.writer.directory, step)
