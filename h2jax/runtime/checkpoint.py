@@ -52,12 +52,12 @@ that names the file and the cause.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import math
 import mmap
 import os
-import atexit
 import queue
 import re
 import shutil
