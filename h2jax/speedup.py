@@ -68,7 +68,7 @@ class Run:
     cluster_chips: int  # chips of the (sub-)cluster, idle ones included
     global_batch_tokens: int
     plan: Plan | None
-    predicted_s: float | None  # the cost model's closed form
+    predicted_s: float | None  # the cost model's step (cost_model.iteration_time)
     simulated_s: float | None
     error: str | None = None  # why no plan exists (e.g. the model does not fit)
     bubble_fraction: float | None = None  # the schedule's (h2jax.schedules), as `h2jax plan` prints it
@@ -102,14 +102,15 @@ class Run:
 
 
 def _simulated(plan: Plan, cluster: Cluster, profile: Profile | None) -> tuple[float, float, float]:
-    """(closed-form seconds, simulated seconds, bubble fraction) per step of a plan."""
+    """(the cost model's seconds, simulated seconds, bubble fraction) per step of a plan: the
+    cost model's are its closed form, or a ZB-H1 plan's order replayed (cost_model.pipeline_time)."""
     from h2jax.planner import cost_model
     from h2jax.sim_plans import simulate_plan
 
     costs = cost_model.stage_costs(plan, cluster, profile)
-    closed = cost_model.iteration_time(costs, plan.n_micro, plan.schedule, plan.virtual_stages)
+    predicted = cost_model.iteration_time(costs, plan.n_micro, plan.schedule, plan.virtual_stages)
     bubble = cost_model.bubble_fraction(costs, plan.n_micro, plan.schedule, plan.virtual_stages)
-    return closed, simulate_plan(plan, costs).iteration_s, bubble
+    return predicted, simulate_plan(plan, costs).iteration_s, bubble
 
 
 def plan_mixed(
@@ -132,8 +133,8 @@ def plan_mixed(
         )
     except PlannerError as e:
         return Run("mixed", cluster.n_chips, global_batch_tokens, None, None, None, str(e))
-    closed, sim, bubble = _simulated(result.plan, cluster, profile)
-    return Run("mixed", cluster.n_chips, global_batch_tokens, result.plan, closed, sim, bubble_fraction=bubble)
+    predicted, sim, bubble = _simulated(result.plan, cluster, profile)
+    return Run("mixed", cluster.n_chips, global_batch_tokens, result.plan, predicted, sim, bubble_fraction=bubble)
 
 
 def plan_alone(
@@ -155,8 +156,8 @@ def plan_alone(
         if b.plan is None:
             out[chip] = Run(chip, b.chips, global_batch_tokens, None, None, None, b.reason)
             continue
-        closed, sim, bubble = _simulated(b.plan, cluster.only(chip), profile)
-        out[chip] = Run(chip, b.chips, global_batch_tokens, b.plan, closed, sim, bubble_fraction=bubble)
+        predicted, sim, bubble = _simulated(b.plan, cluster.only(chip), profile)
+        out[chip] = Run(chip, b.chips, global_batch_tokens, b.plan, predicted, sim, bubble_fraction=bubble)
     return out
 
 
@@ -170,7 +171,7 @@ class Comparison:
 
     @staticmethod
     def _ratio(mixed: Run, baselines: Mapping[str, Run] | None, simulated: bool = True) -> float | None:
-        """The planner's N*TGS / sum N_i*TGS_i, with simulated (or closed-form) step times."""
+        """The planner's N*TGS / sum N_i*TGS_i, with simulated (or the cost model's) step times."""
         from h2jax.planner import Baseline, hetero_speedup_ratio
 
         if baselines is None or mixed.simulated_s is None:

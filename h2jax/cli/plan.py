@@ -10,8 +10,8 @@ import json
 import sys
 from typing import Any
 
-from h2jax.config import ConfigError
 from h2jax import names as N
+from h2jax.config import ConfigError
 from h2jax.names import format_layers, format_mesh
 
 
