@@ -40,7 +40,7 @@ from h2jax.planner.split import (
     Envelope, OutOfTime, Staircase, TopK, envelope_bottleneck, envelope_bound, shape_tables, solve,
 )
 
-RESOLVE_FRACTION = 1.0  # resolve a box once its width costs at most this share of its gap,
+RESOLVE_FRACTION = 2.0  # resolve a box once its width costs at most this share of its gap,
 RESOLVE_GAP = 0.02  # ... and its bound is within this share of the incumbent,
 RESOLVE_WIDTH = 0.01  # ... or once it is this narrow (a share of the incumbent)
 RESOLVE_LISTS = 4096  # a micro-batch size with at most this many stage lists: resolved at its root box
@@ -48,7 +48,7 @@ GENERATION = 8  # boxes split per batched bound evaluation
 DIVE_FACTORS = (1.0, 1.05, 1.15, 1.4)
 DIVE_BATCHES = 2
 DIVE_LEAVES = 3
-LAMBDA_STEPS = np.array([-0.02, 0.0, 0.02])
+LAMBDA_STEPS = np.array([-0.02, 0.02])
 LAMBDA_WIDER = np.array([0.06, 0.15, 0.4])
 
 
@@ -103,17 +103,17 @@ def _bounds(
     enough: Sequence[float] | None = None,
 ) -> list[tuple[float, float]]:
     """Per box corner (its thresholds, steady components then tail): (fill bound, lambda).
-    Any lambda gives a valid bound, the best one the tightest: a few steps around a known good
-    `centers[i]` (the parent box's) or
-    a coarse grid, then, where the best was on an edge, wider steps beyond it, or, where it
-    came from the grid, a finer grid between its neighbours. Each round is one batched DP.
-    A corner whose bound already reaches `enough[i]` (its box is dropped at that bound) is
-    not refined."""
+    Any lambda gives a valid bound, the best one the tightest: a known good `centers[i]` (the
+    parent box's) alone, then, unless that already reaches `enough[i]` (the box is dropped at
+    that bound: most children of a split are), a step either side of it, then, where the
+    best was a step, wider steps beyond it; without a center, a coarse grid, then a finer
+    grid between its best point's neighbours. Each round is one batched DP."""
     enough = [math.inf] * len(corners) if enough is None else enough
-    cand = [c * (1.0 + LAMBDA_STEPS) if c is not None and c > 0 else batch.lam_grid for c in centers]
+    cand = [np.array([c]) if c is not None and c > 0 else batch.lam_grid for c in centers]
+    stage = ["center" if c is not None and c > 0 else "grid" for c in centers]
     best = [(-math.inf, 0.0)] * len(corners)
     todo = list(range(len(corners)))
-    for _ in range(2):
+    for _ in range(3):
         box = np.concatenate([np.full(len(cand[i]), k) for k, i in enumerate(todo)])
         vals = _lagrangian_rows(batch, L, np.array([corners[i] for i in todo]), box,
                                 np.concatenate([cand[i] for i in todo]))
@@ -126,16 +126,23 @@ def _bounds(
             if not np.isfinite(v[j]):
                 best[i] = (math.inf, float(c[j]))
                 continue
-            if v[j] > best[i][0]:
+            improved = v[j] > best[i][0]
+            if improved:
                 best[i] = (float(v[j]), float(c[j]))
             if best[i][0] >= enough[i]:
                 continue
-            if c is batch.lam_grid:
+            if stage[i] == "grid":
                 cand[i] = np.linspace(c[max(j - 1, 0)], c[min(j + 1, len(c) - 1)], 7)[1:-1]
+                stage[i] = "done"
                 nxt.append(i)
-            elif len(c) > 1 and (j == 0 or j == len(c) - 1):
+            elif stage[i] == "center":
+                cand[i] = c[0] * (1.0 + LAMBDA_STEPS)
+                stage[i] = "steps"
+                nxt.append(i)
+            elif stage[i] == "steps" and improved:  # a step beat the center: wider beyond it
                 sign = -1.0 if j == 0 else 1.0
                 cand[i] = c[j] * (1.0 + sign * LAMBDA_WIDER)
+                stage[i] = "done"
                 nxt.append(i)
         if not nxt:
             break

@@ -191,8 +191,8 @@ def _stage_constants(table: TypeTable) -> np.ndarray:
 def undominated(live: Sequence[tuple[TypeTable, np.ndarray]]) -> list[tuple[TypeTable, np.ndarray]]:
     """`live` (per type: its table and caps u (B, 4, S, L)) without the shapes another shape of
     the type dominates in every row: as many stages or more (k_max), a per-layer fill term and
-    stage constants no larger, and caps no smaller at every role and position. Then its w is
-    no larger wherever the dominated shape's is finite, for every lambda (w = c + a - lambda +
+    stage constants no larger, and caps no smaller at every role and position (any cap below
+    1, no stage there, counted as 0). Then its w is no larger wherever the dominated shape's is finite, for every lambda (w = c + a - lambda +
     min(a - lambda, 0) * (u - 1)) and as a capacity row (w = -u), so every block of the
     dominated shape costs at least the same block of its dominator: the DP's minimum, over
     fewer shapes, is the same. Of shapes equal in all of it, the first is kept."""
@@ -211,7 +211,8 @@ def undominated(live: Sequence[tuple[TypeTable, np.ndarray]]) -> list[tuple[Type
         if len(i) == 0:
             out.append((t, u))
             continue
-        U = np.moveaxis(u, 2, 0).reshape(S, -1)
+        # caps below 1 all mean "no stage here" (weights): compared as 0, in small integers
+        U = np.clip(np.moveaxis(u, 2, 0).reshape(S, -1), 0, None).astype(np.int16 if u.max() < 2**15 else np.int64)
         dom = np.zeros((S, S), dtype=bool)
         dom[i, j] = (U[i] >= U[j]).all(axis=1)
         # j goes if a shape dominates it strictly, or equals it and comes first
@@ -237,8 +238,15 @@ def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
     if any(a > b for a, b in zip(k, k[1:])):
         order = np.argsort(k, kind="stable")
         return _window_min(H[..., order, :], np.asarray(k)[order])[..., np.argsort(order), :]
-    out = np.minimum.accumulate(H, axis=-1)  # the windows that reach q = 0
     n_short = bisect.bisect_left(k, n)  # shapes [0, n_short) have windows shorter than a row
+    # the windows that reach q = 0 are prefix minima: every position of a shape whose window
+    # spans the row, positions 0 .. k-2 of the others (numpy's accumulate is slow: only those)
+    out = np.empty_like(H)
+    if n_short < len(k):
+        out[..., n_short:, :] = np.minimum.accumulate(H[..., n_short:, :], axis=-1)
+    if n_short and k[n_short - 1] > 1:
+        cut = k[n_short - 1] - 1
+        out[..., :n_short, :cut] = np.minimum.accumulate(H[..., :n_short, :cut], axis=-1)
     level, first, v = H[..., :n_short, :], 0, 0  # level v: shapes first.., length n - 2**v + 1
     for kk in sorted(set(k[:n_short])):
         lev = kk.bit_length() - 1
