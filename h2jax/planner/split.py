@@ -83,6 +83,17 @@ def _caps_at(v: float, a: np.ndarray, o: np.ndarray, caps: np.ndarray) -> np.nda
     return np.minimum(caps, np.floor((v - o) / a + 1e-9).astype(np.int64))
 
 
+def _breakpoints(a: np.ndarray, o: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """The distinct values a_i * l + o_i, 1 <= l <= caps_i, ascending: the bottlenecks a split
+    can have. Stages of equal (a_i, o_i) (a block's inner stages: their times differ from
+    each other only in memory) give the same run, taken once up to their largest cap."""
+    most: dict = {}
+    for ai, oi, ci in zip(a.tolist(), o.tolist(), caps.tolist()):
+        if ci > most.get((ai, oi), 0):
+            most[(ai, oi)] = ci
+    return np.unique(np.concatenate([ai * np.arange(1, ci + 1) + oi for (ai, oi), ci in most.items()] or [np.empty(0)]))
+
+
 def best_split(leaf: _Leaf, L: int, bound: float, stats: SearchStats) -> tuple[float, np.ndarray] | None:
     """The optimal layer split of one stage list if it beats `bound`, else None (exact)."""
     order = np.argsort(leaf.lin, kind="stable")
@@ -110,7 +121,7 @@ def best_split(leaf: _Leaf, L: int, bound: float, stats: SearchStats) -> tuple[f
             return
         w, a, o, floor = leaf.groups[g]
         lb_rest = rest_bound(g + 1, caps)
-        values = np.unique(np.concatenate([a[i] * np.arange(1, caps[i] + 1) + o[i] for i in range(len(caps))]))
+        values = _breakpoints(a, o, caps)
 
         def feasible(v: float) -> bool:
             c = _caps_at(v, a, o, caps)
