@@ -2,12 +2,14 @@
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision
 from h2jax.planner import PlannerError, top_k
+from h2jax.planner.split import _breakpoints
 
 
 @st.composite
@@ -146,3 +148,16 @@ def test_auto_searches_every_schedule_and_reports_the_winner():
     # auto is the best of each schedule's exact search: the exhaustive one agrees
     (full,), _ = top_k(cluster, "tiny", 32, 8, schedule="auto", exhaustive=True)
     assert full.time_s == pytest.approx(times[won], rel=1e-9)
+
+
+def test_a_lists_candidate_bottlenecks_are_every_stages_values_taken_once():
+    """best_split's bottleneck candidates come from one run per distinct (per-layer, end) pair,
+    up to the largest cap among its stages: the same values as one run per stage."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p = int(rng.integers(1, 14))
+        pool = rng.uniform(0.1, 2.0, size=(3, 2))  # few distinct pairs: blocks of equal stages
+        a, o = pool[rng.integers(0, 3, size=p)].T
+        caps = rng.integers(-1, 10, size=p)
+        runs = [a[i] * np.arange(1, caps[i] + 1) + o[i] for i in range(p)]
+        assert np.array_equal(_breakpoints(a, o, caps), np.unique(np.concatenate(runs)))

@@ -192,10 +192,11 @@ def undominated(live: Sequence[tuple[TypeTable, np.ndarray]]) -> list[tuple[Type
     """`live` (per type: its table and caps u (B, 4, S, L)) without the shapes another shape of
     the type dominates in every row: as many stages or more (k_max), a per-layer fill term and
     stage constants no larger, and caps no smaller at every role and position (any cap below
-    1, no stage there, counted as 0). Then its w is no larger wherever the dominated shape's is finite, for every lambda (w = c + a - lambda +
-    min(a - lambda, 0) * (u - 1)) and as a capacity row (w = -u), so every block of the
-    dominated shape costs at least the same block of its dominator: the DP's minimum, over
-    fewer shapes, is the same. Of shapes equal in all of it, the first is kept."""
+    1, no stage there, counted as 0). Then its w is no larger wherever the dominated shape's
+    is finite, for every lambda (w = c + a - lambda + min(a - lambda, 0) * (u - 1)) and as a
+    capacity row (w = -u), so every block of the dominated shape costs at least the same
+    block of its dominator: the DP's minimum, over fewer shapes, is the same. Of shapes equal
+    in all of it, the first is kept."""
     out = []
     for t, u in live:
         S = t.size
@@ -212,7 +213,8 @@ def undominated(live: Sequence[tuple[TypeTable, np.ndarray]]) -> list[tuple[Type
             out.append((t, u))
             continue
         # caps below 1 all mean "no stage here" (weights): compared as 0, in small integers
-        U = np.clip(np.moveaxis(u, 2, 0).reshape(S, -1), 0, None).astype(np.int16 if u.max() < 2**15 else np.int64)
+        small = np.int16 if u.max() < 2**15 else np.int64
+        U = np.clip(np.moveaxis(u, 2, 0).reshape(S, -1), 0, None).astype(small)
         dom = np.zeros((S, S), dtype=bool)
         dom[i, j] = (U[i] >= U[j]).all(axis=1)
         # j goes if a shape dominates it strictly, or equals it and comes first

@@ -91,7 +91,8 @@ def _breakpoints(a: np.ndarray, o: np.ndarray, caps: np.ndarray) -> np.ndarray:
     for ai, oi, ci in zip(a.tolist(), o.tolist(), caps.tolist()):
         if ci > most.get((ai, oi), 0):
             most[(ai, oi)] = ci
-    return np.unique(np.concatenate([ai * np.arange(1, ci + 1) + oi for (ai, oi), ci in most.items()] or [np.empty(0)]))
+    runs = [ai * np.arange(1, ci + 1) + oi for (ai, oi), ci in most.items()]
+    return np.unique(np.concatenate(runs)) if runs else np.empty(0)
 
 
 def best_split(leaf: _Leaf, L: int, bound: float, stats: SearchStats) -> tuple[float, np.ndarray] | None:
