@@ -67,8 +67,8 @@ def chips_for(plan: Any, cluster: Any = None) -> Any:
 
 
 def plan_report(plan: Any, costs: Sequence[StageCost], result: SimResult) -> dict[str, Any]:
-    """The simulated step beside the cost model's (its closed form; a ZB-H1 plan's order replayed), per
-    plan and per stage."""
+    """The simulated step beside the cost model's (its closed form; a ZB-H1 plan's order
+    replayed), per plan and per stage."""
     from h2jax.planner import cost_model
 
     v = result.virtual_stages

@@ -40,9 +40,10 @@ item finished, the primary process writes checkpoint.json and renames the direct
 leaves the previous one intact. Asynchronous: `save` returns at once, holding the stages'
 arrays as they are (their next update writes the new state to fresh buffers instead of
 donating these: no copy); a background thread writes them while training goes on; the
-primary's commit runs in a thread too (the writer starts both once and keeps them). The writer runs at a lower CPU priority than training
-(`lower_thread_priority`, on Linux; the idle class in a one-process run): on cores training
-keeps busy, the write takes the idle time.
+primary's commit runs in a thread too (the writer starts both once and keeps them). The
+writer runs at a lower CPU priority than training (`lower_thread_priority`, on Linux; the
+idle class in a one-process run): on cores training keeps busy, the write takes the idle
+time.
 
 Everything a resume needs is checked by `open_checkpoint` before any stage compiles: the
 format, the model config, the data settings, that each needed item exists, and the size and
