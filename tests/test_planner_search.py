@@ -161,3 +161,38 @@ def test_a_lists_candidate_bottlenecks_are_every_stages_values_taken_once():
         caps = rng.integers(-1, 10, size=p)
         runs = [a[i] * np.arange(1, caps[i] + 1) + o[i] for i in range(p)]
         assert np.array_equal(_breakpoints(a, o, caps), np.unique(np.concatenate(runs)))
+
+
+def test_a_boxs_lambda_follows_the_dual_past_the_wider_steps(monkeypatch):
+    """`_bounds` tries the parent's lambda, then 2 % steps, then wider steps, then farther
+    ones while the dual still rises at the edge: on a concave dual whose peak lies at 5.2 times
+    the parent's lambda it climbs there (the old schedule stopped at 1.4 times); at a peak near
+    the parent's it stops after the steps; a box dropped at the center costs one row."""
+    from h2jax.planner import dual_search as ds
+
+    calls = []
+
+    def dual(peak):
+        def rows(batch, L, corners, box, lams):
+            calls.append(len(lams))
+            return -np.abs(np.log(np.asarray(lams) / peak))  # concave in log lambda, 0 at the peak
+        return rows
+
+    batch = ds._Batch(1, 2, [], 0.0, 1.0, np.array([0.5, 1.0, 2.0]), 1.0, np.array([1.0]), 1.0)
+    corner = [np.array([1.0, 1.0])]
+
+    monkeypatch.setattr(ds, "_lagrangian_rows", dual(5.2))
+    (value, lam), = ds._bounds(batch, 8, corner, [1.0])
+    # 1.02 -> 1.4 (wider) -> x2.5 = 3.57 -> x1.5 = 5.36: within 3 % of the peak
+    assert lam == pytest.approx(1.02 * 1.4 * 2.5 * 1.5)
+    assert value == pytest.approx(-math.log(lam / 5.2))
+    assert calls == [1, 2, 3, 2, 2] and len(calls) == ds.LAMBDA_ROUNDS
+
+    calls.clear()
+    monkeypatch.setattr(ds, "_lagrangian_rows", dual(1.005))
+    (value, lam), = ds._bounds(batch, 8, corner, [1.0])
+    assert lam == 1.0 and calls == [1, 2]  # neither step beats the center: no wider round
+
+    calls.clear()
+    (value, lam), = ds._bounds(batch, 8, corner, [1.0], enough=[-0.5])
+    assert calls == [1]  # the center already drops the box

@@ -48,8 +48,12 @@ GENERATION = 8  # boxes split per batched bound evaluation
 DIVE_FACTORS = (1.0, 1.05, 1.15, 1.4)
 DIVE_BATCHES = 2
 DIVE_LEAVES = 3
+# a box's lambda: its parent's, then these relative steps either side, then these wider
+# steps beyond a step that won, then these factors beyond the farthest while it still wins
 LAMBDA_STEPS = np.array([-0.02, 0.02])
 LAMBDA_WIDER = np.array([0.06, 0.15, 0.4])
+LAMBDA_FARTHER = np.array([1.5, 2.5])
+LAMBDA_ROUNDS = 5  # rounds in all (batched DPs): center, steps, wider, two farther
 
 
 @dataclasses.dataclass
@@ -106,14 +110,16 @@ def _bounds(
     Any lambda gives a valid bound, the best one the tightest: a known good `centers[i]` (the
     parent box's) alone, then, unless that already reaches `enough[i]` (the box is dropped at
     that bound: most children of a split are), a step either side of it, then, where the
-    best was a step, wider steps beyond it; without a center, a coarse grid, then a finer
-    grid between its best point's neighbours. Each round is one batched DP."""
+    best was a step, wider steps beyond it, then farther ones while the farthest still wins
+    (up to LAMBDA_ROUNDS rounds in all); without a center, a coarse grid, then a finer grid
+    between its best point's neighbours. Each round is one batched DP."""
     enough = [math.inf] * len(corners) if enough is None else enough
     cand = [np.array([c]) if c is not None and c > 0 else batch.lam_grid for c in centers]
     stage = ["center" if c is not None and c > 0 else "grid" for c in centers]
     best = [(-math.inf, 0.0)] * len(corners)
+    sign = [1.0] * len(corners)
     todo = list(range(len(corners)))
-    for _ in range(3):
+    for _ in range(LAMBDA_ROUNDS):
         box = np.concatenate([np.full(len(cand[i]), k) for k, i in enumerate(todo)])
         vals = _lagrangian_rows(batch, L, np.array([corners[i] for i in todo]), box,
                                 np.concatenate([cand[i] for i in todo]))
@@ -140,9 +146,13 @@ def _bounds(
                 stage[i] = "steps"
                 nxt.append(i)
             elif stage[i] == "steps" and improved:  # a step beat the center: wider beyond it
-                sign = -1.0 if j == 0 else 1.0
-                cand[i] = c[j] * (1.0 + sign * LAMBDA_WIDER)
-                stage[i] = "done"
+                sign[i] = -1.0 if j == 0 else 1.0
+                cand[i] = c[j] * (1.0 + sign[i] * LAMBDA_WIDER)
+                stage[i] = "wider"
+                nxt.append(i)
+            elif stage[i] in ("wider", "farther") and improved and j == len(c) - 1:  # still rising at the edge
+                cand[i] = c[j] * LAMBDA_FARTHER ** sign[i]
+                stage[i] = "farther"
                 nxt.append(i)
         if not nxt:
             break
