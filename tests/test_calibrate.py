@@ -349,3 +349,36 @@ def test_a_run_is_calibrated_to_its_untraced_steps(monkeypatch):
     assert cm.iteration_time(cm.stage_costs(plan, None, profile), 4) == pytest.approx(untraced_step, rel=1e-9)
     _, from_trace = calibrate(plan, events=busy_trace(plan, 4, traced_step, 0.01))  # given events: the traced step
     assert cm.iteration_time(cm.stage_costs(plan, None, from_trace), 4) == pytest.approx(traced_step, rel=1e-9)
+
+
+def test_an_emulated_plan_is_calibrated_to_its_untraced_step_through_the_hosts_time_per_compute(monkeypatch):
+    """An emulated stage's traced compute is its clock's, which does not see the host's own
+    time per compute; when the untraced step is longer than the traced stages' closed form,
+    calibration raises every chip type's dispatch (the model's fixed cost per forward and
+    backward) by one delta until the model reproduces that step: on two stages, every stage's
+    forward and backward delta longer, so the 1F1B step grows by 2 * delta * (m + p - 1)."""
+    import h2jax.calibrate as calibration
+
+    plan = two_stage_plan(n_micro=4)  # emu-fast, emu-slow; m = 4, p = 2
+    _, traced_only = calibrate(plan, events=synthetic_trace(plan, 3, FWD, BWD, OPT))
+    before = cm.stage_costs(plan, None, traced_only)
+    S0 = cm.iteration_time(before, 4)
+    untraced = 1.1 * S0
+    monkeypatch.setattr(calibration, "traced_run",
+                        lambda plan, steps, **kw: (synthetic_trace(plan, steps, FWD, BWD, OPT), untraced))
+    rows, profile = calibrate(plan, 3)
+    after = cm.stage_costs(plan, None, profile)
+    assert cm.iteration_time(after, 4) == pytest.approx(untraced, rel=1e-9)
+    delta = (untraced - S0) / (2 * (4 + 2 - 1))
+    for chip in ("emu-fast", "emu-slow"):
+        assert profile.fits[chip]["dispatch_us"] == pytest.approx((50e-6 + delta) * 1e6, rel=1e-6)
+    for b, a in zip(before, after):
+        assert a.forward_s == pytest.approx(b.forward_s + delta, rel=1e-6)
+        assert a.backward_s == pytest.approx(b.backward_s + delta, rel=1e-6)
+        assert a.optimizer_s == pytest.approx(b.optimizer_s, rel=1e-6)  # the update is measured on its own
+    assert "dispatch +" in profile.source
+    # a step the traced stages already explain: nothing raised
+    monkeypatch.setattr(calibration, "traced_run",
+                        lambda plan, steps, **kw: (synthetic_trace(plan, steps, FWD, BWD, OPT), 0.9 * S0))
+    _, kept = calibrate(plan, 3)
+    assert "dispatch_us" not in kept.fits.get("emu-fast", {})
