@@ -54,6 +54,16 @@ def pytest_xdist_auto_num_workers(config):
     return min(4, cores)
 
 
+@pytest.fixture(autouse=True)
+def _emulated_programs_measured_afresh(monkeypatch):
+    """Each test's emulated clocks start from nothing: the least time per program is shared
+    by a process's runs (h2jax.runtime.emulation.SHARED_LEAST), which must not reach from one
+    test into the next (a test's timings would depend on which tests ran before it)."""
+    from h2jax.runtime import emulation
+
+    monkeypatch.setattr(emulation, "SHARED_LEAST", {})
+
+
 @pytest.fixture(scope="session")
 def token_file(tmp_path_factory):
     from h2jax.data import synthetic_dataset

@@ -108,3 +108,27 @@ def test_stage_over_its_memory_cap_is_refused_before_running(trained, capped_chi
     capped_chip(need)  # exactly enough fits
     ex = StageExecutor(mixed_plan("emu-capped"), 0, devices)
     assert ex.memory.needed_bytes == need
+
+
+def test_stages_of_one_computation_share_a_program_identity(trained):
+    """The runtime names a stage's programs by what makes them one computation: the same for
+    two middle stages of one shape whatever layers they hold, different when anything that
+    changes the program differs (the end stages' embedding and head, the layer count, the
+    recompute policy, the mesh)."""
+    _, trainer, _, _, _ = trained
+    assert trainer.executors[0].program_identity != trainer.executors[1].program_identity
+    assert set(trainer.executors[0]._programs.values()) >= {"forward", "forward_backward", "backward", "update"}
+
+    def identity(stages, i):
+        plan = plan_from_dict({"format_version": 1, "model": "tiny", "seq_len": 16, "global_batch": 8,
+                               "micro_batch": 2, "stages": stages})
+        return StageExecutor(plan, i, jax.devices()[:1], check_memory=False).program_identity
+
+    def stage(layers, recompute="none"):
+        return {"chip": "emu-mid", "mesh": {"data": 1, "tensor": 1}, "layers": layers, "recompute": recompute}
+
+    four = [stage([0, 1]), stage([1, 2]), stage([2, 3]), stage([3, 4])]
+    assert identity(four, 1) == identity(four, 2)  # layers 1 and 2: one computation
+    assert identity(four, 0) != identity(four, 1) != identity(four, 3)  # embedding, head
+    assert identity([stage([0, 1]), stage([1, 3]), stage([3, 4])], 1) != identity(four, 1)  # two layers
+    assert identity([*four[:2], stage([2, 3], "full"), four[3]], 2) != identity(four, 1)  # recompute

@@ -65,3 +65,25 @@ def test_a_real_chip_is_charged_its_wall_time_every_call(fake_time):
     for _ in range(3):
         clock.run(program)
     assert clock.measured_s == pytest.approx(2.25)
+
+
+def test_a_named_program_shares_its_least_time_with_every_clock_of_the_process(fake_time):
+    """A program the runtime names (StageClock.run(..., program=...)) is one computation in
+    every run: a later clock starts from the least time an earlier one measured for it (a
+    calibration run and the run it predicts), while unnamed programs and other names keep
+    their own."""
+    x = np.zeros((2, 3), np.float32)
+    first = emulation.StageClock(slowdown=4.0, defer=True)
+    for cpu in (0.3, 0.2):
+        first.run(lambda v, cpu=cpu: fake_time.work(cpu), x, program=("stage A", "forward"))
+    later = emulation.StageClock(slowdown=4.0, defer=True)
+    later.run(lambda v: fake_time.work(0.5), x, program=("stage A", "forward"))  # a busy host's call
+    assert later.measured_s == pytest.approx(0.2)
+    later.run(lambda v: fake_time.work(0.5), x, program=("stage A", "backward"))  # another program
+    assert later.measured_s == pytest.approx(0.2 + 0.5)
+    later.run(lambda v: fake_time.work(0.4), np.zeros((3, 3), np.float32), program=("stage A", "forward"))
+    assert later.measured_s == pytest.approx(0.2 + 0.5 + 0.4)  # another input shape
+    fresh = emulation.StageClock(slowdown=4.0, defer=True)
+    fresh.run(lambda v: fake_time.work(0.5), x)  # unnamed: this clock's own
+    assert fresh.measured_s == pytest.approx(0.5)
+    assert emulation.SHARED_LEAST[emulation.program_key(("stage A", "forward"), (x,))] == 0.2

@@ -307,9 +307,9 @@ def test_every_compute_of_an_emulated_pipeline_is_stretched_by_its_chips_slowdow
     calls: dict[int, int] = {}  # id(clock) -> computes it ran
     original = emulation.StageClock.run
 
-    def counting(self, fn, *args):
+    def counting(self, fn, *args, **kwargs):
         calls[id(self)] = calls.get(id(self), 0) + 1
-        return original(self, fn, *args)
+        return original(self, fn, *args, **kwargs)
 
     monkeypatch.setattr(emulation.StageClock, "run", counting)
     for clock in trainer.clocks.values():

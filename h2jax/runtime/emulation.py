@@ -15,7 +15,14 @@ multiplies the noise (measured: one emu-slow stage's F+B from 12.5 to 25 ms of C
 call at load 7, 16x that on the chip). So a clock charges each call the LEAST CPU time it
 has measured for that program (`program_key`: the function and its inputs' shapes) so far:
 
-    busy_s = slowdown * min(compute_s of this program's calls on this clock so far)
+    busy_s = slowdown * min(compute_s of this program's calls so far)
+
+over every clock of the process: the runtime names each stage program by what makes it the
+same computation (the model, the stage's shape, layers, recompute, mesh, numerics, the end
+stages' embedding and head: `StageExecutor.program_identity`), so a run starts from what
+earlier runs of the same program measured. Without that sharing a clock's least time keeps
+falling through a run (more calls, lower least), and two runs of one plan, say a calibration
+and the run it predicts, differed by 3-8 % on a 2-core host from their lengths alone.
 
 CPU time, not wall-clock time, because wall-clock time of a call on a shared host also holds
 what the chip would not see (`measure_call`):
@@ -51,7 +58,7 @@ and it sleeps right after each, which is the same thing.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Hashable, Mapping
 
 import jax
 
@@ -103,6 +110,13 @@ def program_key(fn: Callable, args) -> tuple:
     return (fn, tuple(parts))
 
 
+# The least per-device CPU seconds measured for each named program (`StageClock.run(...,
+# program=...)`) in this process, over every clock: one computation costs an emulated chip
+# the same in every run, so a run starts from what earlier runs of it measured (a calibration
+# run and the run it predicts, the demo's plans) instead of from its own first calls.
+SHARED_LEAST: dict[tuple, float] = {}
+
+
 class StageClock:
     """When one stage's chip is free. `emulated`: its compute is `slowdown` x the least of
     `measure_call`'s per-device CPU seconds over this program's calls so far (module
@@ -125,13 +139,17 @@ class StageClock:
     def arrive(self, t: float) -> None:
         self._input_at = max(self._input_at, t)
 
-    def run(self, fn: Callable, *args):
-        """Run `fn(*args)` to completion and occupy the chip for its (stretched) compute."""
+    def run(self, fn: Callable, *args, program: Hashable | None = None):
+        """Run `fn(*args)` to completion and occupy the chip for its (stretched) compute.
+        `program`: what the runtime calls this computation (stable across executors and
+        Trainers): its least time is then this process's, shared by every clock
+        (`SHARED_LEAST`); without it, the clock's own for `fn`."""
         if self.emulated:
             out, ready, measured = measure_call(fn, *args)
-            key = program_key(fn, args)
-            measured = min(measured, self._least.get(key, measured))
-            self._least[key] = measured
+            table = self._least if program is None else SHARED_LEAST
+            key = program_key(fn if program is None else program, args)
+            measured = min(measured, table.get(key, measured))
+            table[key] = measured
         else:
             ready = time.perf_counter()
             out = jax.block_until_ready(fn(*args))

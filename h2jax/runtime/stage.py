@@ -119,6 +119,13 @@ class StageExecutor:
         self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
         cfg = plan.model
         start, end = stage.layer_ranges[chunk]
+        # what makes this stage's programs one computation with another executor's, whichever
+        # layers of the model they hold (the end stages' embedding and head aside)
+        self.program_identity = (
+            cfg, plan.seq_len, plan.micro_batch, plan.optimizer, stage.chip, stage.mesh, stage.recompute,
+            end - start, self.is_first, self.is_last, self.attention, str(self.param_dtype),
+            str(self.compute_dtype), str(precision), self.split_backward,
+        )
 
         def build() -> StageModel:
             return StageModel(
@@ -324,6 +331,15 @@ class StageExecutor:
         # After `share_state`, one update leaves the parameters and optimizer state where
         # they are (writing the new ones to fresh buffers): the shared arrays stay valid.
         self._update_keeping_state = jax.jit(update, donate_argnums=(2,), out_shardings=state_out)
+        # each program by a name that is the same for every executor of this computation (an
+        # emulated chip's clock shares its least measured time over them, emulation.py)
+        self._programs = {fn: name for name, fn in (
+            ("forward", self._forward), ("forward_backward", self._forward_backward),
+            ("backward", getattr(self, "_backward", None)),
+            ("backward_input", getattr(self, "_backward_input", None)),
+            ("backward_weight", getattr(self, "_backward_weight", None)),
+            ("update", self._update), ("update_keeping_state", self._update_keeping_state),
+        ) if fn is not None}
 
     def compiled_memory(self) -> StageMemory | None:
         """Compile forward, backward and update ahead of time for this stage's exact input
@@ -376,7 +392,10 @@ class StageExecutor:
     # ------------------------------------------------------------------ the runtime's calls
 
     def _run(self, fn, *args):
-        return fn(*args) if self.clock is None else self.clock.run(fn, *args)
+        if self.clock is None:
+            return fn(*args)
+        name = self._programs.get(fn)
+        return self.clock.run(fn, *args, program=None if name is None else (self.program_identity, name))
 
     def forward(self, x, labels=None) -> tuple[Any, Any]:
         """(output, saved): output is the boundary activation, or the loss on the last stage;
