@@ -369,14 +369,9 @@ def fit_host_to_step(
 
     if step(0.0) >= measured.step_s:
         return None
-    lo, hi = 0.0, measured.step_s  # step(lo) < measured <= step(hi): every compute takes the whole step more
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        if step(mid) < measured.step_s:
-            lo = mid
-        else:
-            hi = mid
-    return with_host(hi), hi
+    # step(0) < measured <= step(measured): every compute taking the whole step more
+    _, delta = _bisect_to_step(step, measured.step_s, 0.0, measured.step_s)
+    return with_host(delta), delta
 
 
 def fit_real_stages_to_step(
@@ -418,14 +413,20 @@ def fit_real_stages_to_step(
         return measured, 1.0
     if step(lowest) >= measured.step_s:  # the stages' compute does not explain the excess
         return measured, 1.0
-    lo, hi = lowest, 1.0  # step(lo) < measured <= step(hi); step grows with the scale
+    lo, _ = _bisect_to_step(step, measured.step_s, lowest, 1.0)  # step(lowest) < measured <= step(1)
+    return scaled(lo), lo
+
+
+def _bisect_to_step(step, target: float, lo: float, hi: float) -> tuple[float, float]:
+    """(lo, hi) within 2**-50 of each other with step(lo) < target <= step(hi), given that
+    bracket and a `step` that grows with its argument."""
     for _ in range(50):
         mid = 0.5 * (lo + hi)
-        if step(mid) < measured.step_s:
+        if step(mid) < target:
             lo = mid
         else:
             hi = mid
-    return scaled(lo), lo
+    return lo, hi
 
 
 def traced_run(plan: Plan, steps: int, **run_kwargs: Any) -> tuple[list[TraceEvent], float] | None:
