@@ -122,13 +122,15 @@ def test_stages_of_one_computation_share_a_program_identity(trained):
     def identity(stages, i):
         plan = plan_from_dict({"format_version": 1, "model": "tiny", "seq_len": 16, "global_batch": 8,
                                "micro_batch": 2, "stages": stages})
-        return StageExecutor(plan, i, jax.devices()[:1], check_memory=False).program_identity
+        devices = jax.devices()[: stages[i]["mesh"]["data"]]
+        return StageExecutor(plan, i, devices, check_memory=False).program_identity
 
-    def stage(layers, recompute="none"):
-        return {"chip": "emu-mid", "mesh": {"data": 1, "tensor": 1}, "layers": layers, "recompute": recompute}
+    def stage(layers, recompute="none", data=1):
+        return {"chip": "emu-mid", "mesh": {"data": data, "tensor": 1}, "layers": layers, "recompute": recompute}
 
     four = [stage([0, 1]), stage([1, 2]), stage([2, 3]), stage([3, 4])]
     assert identity(four, 1) == identity(four, 2)  # layers 1 and 2: one computation
     assert identity(four, 0) != identity(four, 1) != identity(four, 3)  # embedding, head
     assert identity([stage([0, 1]), stage([1, 3]), stage([3, 4])], 1) != identity(four, 1)  # two layers
     assert identity([*four[:2], stage([2, 3], "full"), four[3]], 2) != identity(four, 1)  # recompute
+    assert identity([*four[:2], stage([2, 3], data=2), four[3]], 2) != identity(four, 1)  # the mesh
