@@ -19,7 +19,7 @@ from h2jax import names as N
 from h2jax.config import ConfigError
 from h2jax.data import TokenDataset, check_compatible, stdlib_corpus
 from h2jax.plan import Plan, check_schedule_size, load_plan
-from h2jax.runtime import ranks
+from h2jax.runtime import hostmem, ranks
 from h2jax.transport.base import Transport
 
 
@@ -150,6 +150,9 @@ class Trainer:
 
         plan = with_schedule_length(plan, steps)
         self.plan = plan
+        # Freed step and checkpoint buffers stay in the heap instead of going back to the
+        # kernel and faulting in again (h2jax.runtime.hostmem; H2JAX_KEEP_FREED_MEMORY=0: off).
+        hostmem.keep_freed_memory()
         # `lr_schedule`: your own (a traceable function of the update count), else the plan's.
         self.lr_schedule = lr_schedule or learning_rate_schedule(plan.optimizer, plan.train)
         self.step_count = 0  # optimizer steps taken (restored with a checkpoint)
