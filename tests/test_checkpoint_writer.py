@@ -62,9 +62,9 @@ def test_a_sharded_array_is_written_as_its_replica_0_shards_and_read_back_whole(
 
 @pytest.mark.parametrize("chunk", [8192, 1 << 20])
 def test_the_direct_and_the_plain_write_give_the_same_file(tmp_path, monkeypatch, chunk):
-    """O_DIRECT's staging in chunks (pieces straddling them, the last block's padding cut off)
-    and plain writes give the same bytes and checksum; where the file system refuses O_DIRECT
-    the plain write is used."""
+    """Staged once, then written through O_DIRECT in chunks (the last block's padding cut off)
+    or, where the file system refuses O_DIRECT, plainly: the same bytes and checksum. The
+    staging buffer is kept for the next save and reused."""
     import crc32c
 
     rng = np.random.default_rng(0)
@@ -76,28 +76,44 @@ def test_the_direct_and_the_plain_write_give_the_same_file(tmp_path, monkeypatch
     real = ckpt._write_direct
     monkeypatch.setattr(ckpt, "_write_direct", lambda *a: direct_calls.append(real(*a)) or direct_calls[-1])
     direct = ckpt.write_data_file(tmp_path / "direct.bin", snapshot)
-    monkeypatch.setattr(ckpt, "_write_direct", lambda *a: None)  # a file system without O_DIRECT
+    monkeypatch.setattr(ckpt, "_write_direct", lambda *a: False)  # a file system without O_DIRECT
     plain = ckpt.write_data_file(tmp_path / "plain.bin", snapshot)
     assert direct == plain
     data = (tmp_path / "direct.bin").read_bytes()
     assert data == (tmp_path / "plain.bin").read_bytes()
     assert plain[2] == [len(data), crc32c.crc32c(data)] and len(data) % ckpt.DIRECT_BLOCK != 0
-    # Each piece is viewed (off the CPU backend: copied to the host) only when its turn comes,
-    # never all of a process's state at once.
-    views, at_first_write = [], []
-    real_view, real_write = ckpt._host_view, ckpt._write_all
-    monkeypatch.setattr(ckpt, "_host_view", lambda x: views.append(1) or real_view(x))
-    monkeypatch.setattr(ckpt, "_write_all", lambda fd, d: at_first_write.append(len(views)) or real_write(fd, d))
-    ckpt.write_data_file(tmp_path / "again.bin", snapshot)
-    assert 0 < at_first_write[0] < len(views) == 10
-    if chunk < 20_000 and direct_calls[0] is not None:  # the direct write flushes each full chunk
-        monkeypatch.setattr(ckpt, "_write_direct", real)
-        views.clear(), at_first_write.clear()
-        ckpt.write_data_file(tmp_path / "again.bin", snapshot)
-        assert 0 < at_first_write[0] < len(views) == 10
-    if direct_calls[0] is None:
+    assert len(ckpt._STAGING) == 1 and len(ckpt._STAGING[0]) == -(-len(data) // ckpt.DIRECT_BLOCK) * ckpt.DIRECT_BLOCK
+    if not direct_calls[0]:
         pytest.skip("no O_DIRECT here (platform or file system): only the plain write ran")
-    assert ckpt._STAGING and len(ckpt._STAGING[0]) == chunk  # the chunk is kept for the next save
+
+
+def test_the_write_copies_every_array_before_it_releases_them_and_touches_the_disk(tmp_path, monkeypatch):
+    """`copied` is set after the last array is read and before the first byte is written: the
+    stages may overwrite their state while the disk write is still going on."""
+    rng = np.random.default_rng(1)
+    snapshot = {f"g{k}": {"w": rng.standard_normal((64, 33)).astype(np.float32)} for k in range(4)}
+    copied, order = threading.Event(), []
+    real_view, real_write = ckpt._host_view, ckpt._write_all
+    monkeypatch.setattr(ckpt, "_host_view", lambda x: order.append(("read", copied.is_set())) or real_view(x))
+    monkeypatch.setattr(ckpt, "_write_all", lambda fd, d: order.append(("write", copied.is_set())) or real_write(fd, d))
+    ckpt.write_data_file(tmp_path / "p0.bin", snapshot, copied=copied)
+    reads = [i for i, (what, _) in enumerate(order) if what == "read"]
+    writes = [i for i, (what, _) in enumerate(order) if what == "write"]
+    assert len(reads) == 4 and writes and max(reads) < min(writes)
+    assert not any(set_ for what, set_ in order if what == "read")
+    assert all(set_ for what, set_ in order if what == "write")
+
+
+def test_a_failed_copy_never_releases_the_state(tmp_path, monkeypatch):
+    copied = threading.Event()
+
+    def broken(x):
+        raise OSError("device lost")
+
+    monkeypatch.setattr(ckpt, "_host_view", broken)
+    with pytest.raises(OSError, match="device lost"):
+        ckpt.write_data_file(tmp_path / "p0.bin", {"g": {"w": np.ones(3, np.float32)}}, copied=copied)
+    assert not copied.is_set()
 
 
 def test_a_damaged_piece_of_a_written_file_is_read_as_what_it_holds_not_silently_fixed(tmp_path):
@@ -118,7 +134,7 @@ def test_saving_every_step_each_checkpoint_holds_its_step(dataset, tmp_path, mon
     trainer = Trainer(plan, emulate_time=False)
     writer = ckpt.CheckpointWriter(tmp_path)
     threads, real_write = set(), ckpt.write_data_file
-    monkeypatch.setattr(ckpt, "write_data_file", lambda *a: threads.add(threading.get_ident()) or real_write(*a))
+    monkeypatch.setattr(ckpt, "write_data_file", lambda *a, **kw: threads.add(threading.get_ident()) or real_write(*a, **kw))
     params = {}
     for step in (1, 2, 3):
         train(trainer, dataset, step - 1, 1)
@@ -151,10 +167,10 @@ def test_a_save_holds_the_state_without_a_copy_and_training_on_leaves_it_intact(
     writer = ckpt.CheckpointWriter(tmp_path)
     release, taken, real = threading.Event(), [], ckpt.write_data_file
 
-    def held_write(path, snapshot):
+    def held_write(path, snapshot, copied):
         taken.extend(snapshot.values())
         assert release.wait(60)
-        return real(path, snapshot)
+        return real(path, snapshot, copied=copied)
 
     monkeypatch.setattr(ckpt, "write_data_file", held_write)
     writer.save(1, trainer.executors, ckpt.checkpoint_meta(plan, 1))
@@ -172,6 +188,30 @@ def test_a_save_holds_the_state_without_a_copy_and_training_on_leaves_it_intact(
         for a, b, c in zip(_leaves(before[i]), _leaves(got[i]), _leaves(after[i])):
             np.testing.assert_array_equal(a, b)
             assert not np.array_equal(a, c)  # training did move on
+
+
+def test_once_the_write_has_copied_the_state_the_next_update_overwrites_it_in_place(dataset, tmp_path):  # noqa: F811
+    """The update after a save donates the state as usual once the writer has copied it (here
+    the write has finished): the snapshot's arrays are the update's to overwrite, and the
+    checkpoint still holds the state of the step it was taken at."""
+    plan = make_plan(TWO)
+    trainer = Trainer(plan, emulate_time=False)
+    train(trainer, dataset, 0, 1)
+    # Copies: a numpy view of a buffer (params_numpy's) would keep it from being donated.
+    before = {i: [np.array(x) for x in _leaves(tree)] for i, tree in trainer.params_numpy().items()}
+    live = [x for ex in trainer.executors.values() for x in _leaves((ex.params, ex.opt_state))]
+    writer = ckpt.CheckpointWriter(tmp_path)
+    writer.save(1, trainer.executors, ckpt.checkpoint_meta(plan, 1))
+    writer.settle(background=False)  # written: copied long before
+    train(trainer, dataset, 1, 1)
+    assert all(x.is_deleted() for x in live if x.size)  # donated to the update, not copied
+    writer.close()
+    fresh = Trainer(plan, emulate_time=False)
+    ckpt.open_checkpoint(tmp_path, plan, step=1).restore_all(fresh.executors.values())
+    got = fresh.params_numpy()
+    for i in before:
+        for a, b in zip(before[i], _leaves(got[i])):
+            np.testing.assert_array_equal(a, b)
 
 
 def _leaves(tree):
@@ -256,3 +296,34 @@ def test_lower_thread_priority_puts_a_thread_in_the_idle_class():
     base = os.getpriority(os.PRIO_PROCESS, os.getpid())
     assert got[False] == (os.SCHED_OTHER, min(19, base + ckpt.BACKGROUND_NICENESS))
     assert got[True][0] == os.SCHED_IDLE
+
+
+def test_group_trees_names_each_leaf_as_its_path_says_on_every_save():
+    """group_trees places optimizer-state leaves from a table made once per structure: what it
+    gives equals naming every leaf's path (`_opt_location`), on the first save and on later
+    ones with other values, and a stage of other groups gets a table of its own."""
+    import jax
+    import optax
+
+    def naming_each_path(params, opt_state):
+        groups, out, shared = set(params), {g: {"params": params[g]} for g in params}, {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+            group, keys = ckpt._opt_location(path, groups)
+            if group is None:
+                shared[keys[1]] = leaf
+            else:
+                ckpt._set(out[group], keys, leaf)
+        for g in out:
+            out[g]["opt_shared"] = dict(shared)
+        return out
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    for groups in (("layer_000", "layer_001"), ("embed", "layer_002")):
+        for value in (1.0, 2.0):
+            params = {g: {"w": np.full((2, 3), value, np.float32), "b": np.full(3, -value, np.float32)} for g in groups}
+            opt_state = jax.tree.map(lambda x: x + value, tx.init(params))
+            got, want = ckpt.group_trees(params, opt_state), naming_each_path(params, opt_state)
+            assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                assert a is b
+            assert set(got) == set(groups) and "opt" in got[groups[0]] and "opt_shared" in got[groups[0]]

@@ -25,10 +25,10 @@ A process that holds a whole stage (the usual case) writes whole arrays; each pr
 multi-process stage writes the shards of replica 0 on its devices, so every shard is
 written once, by one process, and a reader puts the pieces back together.
 
-Written directly, not through orbax (format 3): each array's bytes go from its device buffer
-(on the CPU backend, a view of it) through a staging chunk to the disk with O_DIRECT (no
-page cache to copy into and write back later; plain writes and an fsync where the file
-system refuses it), the CRC-32C computed on the way. Through orbax (format 2, still read)
+Written directly, not through orbax (format 3): each array's bytes are copied from its device
+buffer (on the CPU backend, a view of it) into one staging buffer, the CRC-32C computed from
+it, and it goes to the disk with O_DIRECT (no page cache to copy into and write back later;
+plain writes and an fsync where the file system refuses it). Through orbax (format 2, still read)
 each save first packed every group into one byte array (one array per parameter had cost
 ~1 ms each in orbax), then tensorstore copied it again in threads of its own: about twice
 the writer's CPU time, which is what saving every step costs training on a host whose cores
@@ -38,8 +38,10 @@ Atomic: every process writes its item into `step_N.pending/`; when every process
 item finished, the primary process writes checkpoint.json and renames the directory to
 `step_N` -- one rename, so a checkpoint is visible only when complete and a crash mid-write
 leaves the previous one intact. Asynchronous: `save` returns at once, holding the stages'
-arrays as they are (their next update writes the new state to fresh buffers instead of
-donating these: no copy); a background thread writes them while training goes on; the
+arrays as they are (no copy on the training thread); a background thread copies them into
+its staging buffer, which frees them for the stages' next update to overwrite in place as
+usual (if the copy is not done by then, that update writes to fresh buffers instead, without
+waiting), then writes the copy while training goes on; the
 primary's commit runs in a thread too (the writer starts both once and keeps them). The
 writer runs at a lower CPU priority than training (`lower_thread_priority`, on Linux; the
 idle class in a one-process run): on cores training keeps busy, the write takes the idle
@@ -148,14 +150,30 @@ def _opt_location(path, groups) -> tuple[str | None, list[str]]:
     return path[j].key, ["opt", prefix] + [_key_name(k) for k in path[j + 1:]]
 
 
+_OPT_LOCATIONS: dict = {}  # (optimizer state structure, groups) -> [_opt_location of each leaf]
+
+
+def _opt_locations(treedef, groups: frozenset) -> list[tuple[str | None, list[str]]]:
+    """Where each leaf of optimizer states of structure `treedef` goes (`_opt_location`), in
+    leaf order. The same for every save of a stage, so worked out once: naming the paths of
+    every leaf took most of a save's time on the training thread (about 1 ms of the `small`
+    model's 1.6)."""
+    key = (treedef, groups)
+    got = _OPT_LOCATIONS.get(key)
+    if got is None:
+        dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+        got = _OPT_LOCATIONS[key] = [
+            _opt_location(path, groups) for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    return got
+
+
 def group_trees(params: Mapping[str, Any], opt_state) -> dict[str, dict]:
     """A stage's parameters and optimizer state regrouped by global group name:
     {group: {"params": ..., "opt": {<state path>: moments shaped like params}, "opt_shared": ...}}."""
-    groups = set(params)
     out: dict[str, dict] = {g: {"params": params[g]} for g in params}
     shared: dict[str, Any] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-        group, keys = _opt_location(path, groups)
+    leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+    for leaf, (group, keys) in zip(leaves, _opt_locations(treedef, frozenset(params))):
         if group is None:
             shared[keys[1]] = leaf
         else:
@@ -250,26 +268,40 @@ def _group_layout(tree) -> tuple[list, tuple[list[dict], list[tuple[int, int | N
     return leaves, got
 
 
-def write_data_file(path: Path, snapshot: Mapping[str, Any]) -> tuple[dict, dict, list[int]]:
+def write_data_file(path: Path, snapshot: Mapping[str, Any], *, copied: threading.Event | None = None
+                    ) -> tuple[dict, dict, list[int]]:
     """Write this process's part of `snapshot` ({group: tree of arrays}) to the file `path`,
     group after group, each array's bytes (or each of its replica-0 shards') taken from its
     buffer (on the CPU backend a view of the device buffer), ALIGN-aligned so any dtype
     views in place; on disk when it returns. Returns ({group: layout entries}, {group: [first
-    byte, length]}, [size, CRC-32C]) -- the checksum computed from the bytes as they are
-    written, so nothing is read back.
+    byte, length]}, [size, CRC-32C]).
 
-    Through O_DIRECT where the file system takes it (`_write_direct`), else with plain
-    writes and an fsync. Either way about half the CPU time orbax took to write the same
-    groups packed (measured on the `small` model: the packing copy, tensorstore's copies and
-    threads), the CPU that saving every step takes from training."""
+    First every byte is copied into one page-aligned staging buffer (`_stage`), and `copied`
+    is set: from then on the snapshot's arrays are not read again, so the stages' next
+    update may overwrite them in place (`StageExecutor.share_state`). Then the checksum of
+    the staged bytes, and the write: through O_DIRECT where the file system takes it
+    (`_write_direct`: no page cache to copy into and write back), else plain writes and an
+    fsync. Either way about half the CPU time orbax took to write the same groups packed
+    (measured on the `small` model: the packing copy, tensorstore's copies and threads), the
+    CPU that saving every step takes from training."""
     groups = [(g, *_group_layout(tree)) for g, tree in snapshot.items()]
     layout, spans, size = {}, {}, 0
     for g, _, (entries, _, length) in groups:
         layout[g], spans[g] = entries, [size, length]
         size += length
-    crc = _write_direct(path, _file_bytes(groups), size)
-    if crc is None:
-        crc = _write_buffered(path, _file_bytes(groups))
+    staging = _stage(_file_bytes(groups), size)
+    del groups  # the arrays: not read again
+    try:
+        if copied is not None:
+            copied.set()
+        data = memoryview(staging)
+        crc = crc32c.crc32c(data[:size])
+        if not _write_direct(path, data, size):
+            _write_plain(path, data[:size])
+        del data
+    finally:
+        with _STAGING_LOCK:
+            _STAGING.append(staging)
     return layout, spans, [size, crc]
 
 
@@ -288,70 +320,81 @@ def _file_bytes(groups: list[tuple[str, list, tuple]]) -> Iterable[np.ndarray]:
                 yield _ZEROS[:_aligned(nbytes) - nbytes]
 
 
-def _write_buffered(path: Path, data: Iterable[np.ndarray]) -> int:
-    crc = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for piece in data:
-            crc = crc32c.crc32c(piece, crc)
-            _write_all(fd, memoryview(piece))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return crc
-
-
-# O_DIRECT: the bytes go from a staging buffer to the disk, skipping the page cache: no copy
-# into it and no write-back later (on this project's 2-core machine, writing the `small`
-# model's 18.8 MiB took 11 ms of CPU this way, 18 ms with plain writes and an fsync).
-# Staged in page-aligned chunks, which O_DIRECT needs (buffer, length and file offset
-# multiples of the device's block size; 4096 covers the usual ones).
-DIRECT_CHUNK = 8 << 20
+# The staging buffer: one checkpoint's bytes of this process, page-aligned (an anonymous map),
+# which O_DIRECT needs (buffer, length and file offset multiples of the device's block size;
+# 4096 covers the usual ones). Copying into it is the write's one pass over the arrays: after
+# it the stages' state is free to be overwritten, while the checksum and the disk write run
+# from the copy. Kept for the next save: a process holds one checkpoint's bytes of host
+# memory from its first save on (reused, never grown while the state's size stays).
+DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write
 DIRECT_BLOCK = 4096
-_STAGING: list = []  # free page-aligned chunks (anonymous maps), reused save after save
+_STAGING: list = []  # free staging buffers (anonymous maps), reused save after save
 _STAGING_LOCK = threading.Lock()
 
 
-def _write_direct(path: Path, data: Iterable[np.ndarray], size: int) -> int | None:
-    """The file (`size` bytes of `data`) written through O_DIRECT and its CRC-32C, or None
-    where the platform or the file system refuses O_DIRECT (nothing usable written then)."""
+def _stage(data: Iterable[np.ndarray], size: int) -> mmap.mmap:
+    """A staging buffer holding the `size` bytes of `data`, zero up to the next DIRECT_BLOCK.
+    Every view of the arrays is dropped when it returns."""
+    whole = max(DIRECT_BLOCK, -(-size // DIRECT_BLOCK) * DIRECT_BLOCK)
+    with _STAGING_LOCK:
+        fits = [b for b in _STAGING if len(b) >= whole]
+        buffer = min(fits, key=len) if fits else None
+        if buffer is not None:
+            _STAGING.remove(buffer)
+        elif _STAGING:  # smaller than this state: unmapped, one of the right size made instead
+            _STAGING.pop()
+    if buffer is None:
+        buffer = mmap.mmap(-1, whole)
+    staged, fill = np.frombuffer(buffer, np.uint8), 0
+    try:
+        for piece in data:
+            staged[fill:fill + piece.size] = piece
+            fill += piece.size
+        piece = None  # noqa: F841  (the last view of an array)
+        if fill != size:  # cannot happen for arrays of the structure cached
+            raise AssertionError(f"{size} bytes expected, {fill} staged")
+        staged[fill:whole] = 0
+    except BaseException:
+        with _STAGING_LOCK:
+            _STAGING.append(buffer)
+        raise
+    finally:
+        del staged
+    return buffer
+
+
+def _write_plain(path: Path, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_direct(path: Path, staged: memoryview, size: int) -> bool:
+    """Write the file (the first `size` of the `staged` bytes, a staging buffer's) through
+    O_DIRECT; False where the platform or the file system refuses O_DIRECT (nothing usable
+    written then). Whole blocks are written, the last one's padding cut off after."""
     if not hasattr(os, "O_DIRECT"):
-        return None
+        return False
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     except OSError:  # e.g. tmpfs: EINVAL
-        return None
-    with _STAGING_LOCK:
-        chunk = _STAGING.pop() if _STAGING else mmap.mmap(-1, DIRECT_CHUNK)
-    staged, whole = np.frombuffer(chunk, np.uint8), len(chunk)
-    crc, fill = 0, 0
+        return False
+    whole = -(-size // DIRECT_BLOCK) * DIRECT_BLOCK
     try:
-        for piece in data:
-            k = 0
-            while k < piece.size:  # into the chunk; each full chunk to the disk
-                n = min(whole - fill, piece.size - k)
-                staged[fill:fill + n] = piece[k:k + n]
-                fill, k = fill + n, k + n
-                if fill == whole:
-                    crc = crc32c.crc32c(chunk, crc)
-                    _write_all(fd, memoryview(chunk))
-                    fill = 0
-        if fill:
-            crc = crc32c.crc32c(memoryview(chunk)[:fill], crc)
-            end = -(-fill // DIRECT_BLOCK) * DIRECT_BLOCK
-            staged[fill:end] = 0
-            _write_all(fd, memoryview(chunk)[:end])
-        os.ftruncate(fd, size)  # the last block's padding off
+        for start in range(0, whole, DIRECT_CHUNK):
+            _write_all(fd, staged[start:min(whole, start + DIRECT_CHUNK)])
+        os.ftruncate(fd, size)
         os.fsync(fd)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        return None  # a file system that opens O_DIRECT but refuses its writes: written again plainly
+        return False  # a file system that opens O_DIRECT but refuses its writes: written again plainly
     finally:
         os.close(fd)
-        with _STAGING_LOCK:
-            _STAGING.append(chunk)
-    return crc
+    return True
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -529,6 +572,9 @@ class _ItemWrite:
 
     The training thread only hands over the stages' arrays by group (StageExecutor.share_state:
     no copy); writing them (`write_data_file`) and the layout run off the training thread.
+    `copied` is set once the write has copied every byte of them: the stages' next update
+    may overwrite them from then on (a failed write never sets it; that update then keeps
+    them, as it does when the copy has not finished by then).
 
     Each process of a writing unit writes its own file of the item (`p<k>.bin`, k its index
     among the unit's processes: one stage spanning processes writes one item, each process
@@ -536,8 +582,8 @@ class _ItemWrite:
     file's size and CRC-32C: process 0 in the item's manifest, process k in
     `<item>.p<k>.layout`. No process waits for another: the commit does."""
 
-    def __init__(self, pending: Path, name: str, snapshot: dict):
-        self.path, self.snapshot = pending / name, snapshot
+    def __init__(self, pending: Path, name: str, snapshot: dict, copied: threading.Event):
+        self.path, self.snapshot, self.copied = pending / name, snapshot, copied
         self.error: BaseException | None = None
         self.seconds: float | None = None  # how long the write took, once done
         self.cpu_seconds: float | None = None  # the CPU time of this thread's part of it
@@ -551,7 +597,7 @@ class _ItemWrite:
         try:
             me = jax.process_index()
             self.path.mkdir(parents=True, exist_ok=True)
-            layout, spans, size_crc = write_data_file(self.path / _data_file(me), snapshot)
+            layout, spans, size_crc = write_data_file(self.path / _data_file(me), snapshot, copied=self.copied)
             del snapshot
             record = {"groups": layout, "spans": spans, "files": {_data_file(me): size_crc}}
             if me == 0:
@@ -684,16 +730,18 @@ class CheckpointWriter:
         meta = {**meta, "groups": group_index(plan, units)}
         pending = self.directory / (step_dir(self.directory, step).name + PENDING)
         pending.mkdir(parents=True, exist_ok=True)  # from now on a crash leaves it, never a checkpoint
-        # The stages' own arrays, which their next update leaves in place (share_state): no
-        # copy. (Packing each group on the devices instead cost the CPU backend twice the
-        # host packing's time: XLA's byte-wise concatenation and the gather of its pieces.)
-        # Regrouped here, not in the writer: Python work in a low-priority thread holds the
-        # interpreter lock the training thread waits for while that thread waits for a core.
+        # The stages' own arrays, which their next update leaves in place until the writer
+        # has copied them (share_state): no copy here. (Packing each group on the devices
+        # instead cost the CPU backend twice the host packing's time: XLA's byte-wise
+        # concatenation and the gather of its pieces.) Regrouped here, not in the writer:
+        # Python work in a low-priority thread holds the interpreter lock the training thread
+        # waits for while that thread waits for a core.
         snapshot: dict = {}
+        copied = threading.Event()
         for i in mine:  # every layer chunk of an interleaved stage
             for ex in getattr(executors[i], "chunks", None) or [executors[i]]:
-                snapshot.update(group_trees(*ex.share_state()))
-        write = _ItemWrite(pending, item_name(plan, mine), snapshot)
+                snapshot.update(group_trees(*ex.share_state(until=copied)))
+        write = _ItemWrite(pending, item_name(plan, mine), snapshot, copied)
         if self._writer is None:
             self._writer = _Worker("h2jax-ckpt-write", lower=True, idle_class=self.world.writer_idle_class)
         self._pending = (step, meta, [write])

@@ -16,6 +16,7 @@ so together they cost one backward.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
@@ -163,7 +164,8 @@ class StageExecutor:
         self.labels_sharding = named(self.mesh, TOKENS_AXES)
         self.boundary_sharding = named(self.mesh, BOUNDARY_AXES)
         self._hidden_sharding = named(self.mesh, HIDDEN_AXES)
-        self._state_shared = False  # whether share_state handed out the current state (see update)
+        # share_state's `until` while it holds the current state (see update), else None
+        self._state_shared: threading.Event | None = None
         self._piece_order = (["embed"] if self.is_first else []) + [layer_name(i) for i in range(start, end)] + (
             ["head"] if self.is_last else [])
         self._compile()
@@ -432,17 +434,21 @@ class StageExecutor:
 
     def update(self, global_norm: float) -> None:
         """One optimizer step with the gradients accumulated since the last one."""
-        program = self._update_keeping_state if self._state_shared else self._update
-        self._state_shared = False
+        shared, self._state_shared = self._state_shared, None
+        program = self._update_keeping_state if shared is not None and not shared.is_set() else self._update
         self.params, self.opt_state, self.grad_acc = self._run(
             program, self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
         )
 
-    def share_state(self) -> tuple[dict, Any]:
-        """(parameters, optimizer state) as they are now, valid for as long as the caller
-        holds them: the next update writes the new state to fresh buffers instead of donating
-        these (a checkpoint's snapshot without a copy: the update writes every byte anyway)."""
-        self._state_shared = True
+    def share_state(self, until: threading.Event | None = None) -> tuple[dict, Any]:
+        """(parameters, optimizer state) as they are now, valid until `until` is set (for as
+        long as the caller holds them when None): the next update, if `until` is not set by
+        then, writes the new state to fresh buffers instead of donating these, and never waits
+        for it. A checkpoint's snapshot without a copy on the training thread: the writer
+        sets `until` once it has copied every byte (checkpoint.write_data_file), usually long
+        before the next update, which then updates in place as usual (measured on the `small`
+        model, the fresh buffers of an update that keeps the state cost 1.5-2 % of a step)."""
+        self._state_shared = until if until is not None else threading.Event()
         return self.params, self.opt_state
 
 
