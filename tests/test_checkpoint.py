@@ -402,9 +402,18 @@ MPI_READER = [stage("emu-fast", 1, 2, [0, 1]), stage("emu-mid", 2, 1, [1, 4], "s
 
 
 def _tails(proc) -> str:
-    """A failed launch's last words: the ranks' standard error and the launcher's report of the
-    process that failed (MPICH's hydra writes it to standard output)."""
-    return f"stderr:\n{proc.stderr[-3000:]}\nstdout:\n{proc.stdout[-1500:]}"
+    """A failed launch's last words: the ranks' standard error, the launcher's report of the
+    process that failed (MPICH's hydra writes it to standard output), and each rank's record
+    (h2jax.runtime.rank_records): which rank had that process id, and whether it had ended by
+    itself before it died (a job that printed its results and then exited with status 9 was
+    seen twice, under load, without a word from any rank)."""
+    from h2jax.runtime import rank_records
+
+    records = rank_records.read_records(proc.rank_dir) if getattr(proc, "rank_dir", None) else {}
+    said = "\n".join(rank_records.explain_failure(proc.stdout + proc.stderr, records)) if records else ""
+    ranks = "\n".join(f"  {r}" for r in records.values())
+    return (f"stderr:\n{proc.stderr[-3000:]}\nstdout:\n{proc.stdout[-1500:]}\n"
+            f"rank records:\n{ranks}\n{said}")
 
 
 def _mpi_cli(n, *args, env=None):
@@ -416,9 +425,17 @@ def _mpi_cli(n, *args, env=None):
 
     if not Path(MPIEXEC).exists():
         pytest.skip("mpiexec not found (pip install mpich)")
-    full = checkout_env({**os.environ, **(env or {}), "XLA_FLAGS": TEST_XLA_FLAGS})
-    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], capture_output=True, text=True,
+    import shutil
+    import tempfile
+    import weakref
+
+    rank_dir = tempfile.mkdtemp(prefix="h2jax-test-ranks-")
+    full = checkout_env({**os.environ, **(env or {}), "XLA_FLAGS": TEST_XLA_FLAGS, "H2JAX_RANK_DIR": rank_dir})
+    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], capture_output=True, text=True,
                           env=full, timeout=900)
+    proc.rank_dir = rank_dir  # read by _tails when the launch failed
+    weakref.finalize(proc, shutil.rmtree, rank_dir, True)
+    return proc
 
 
 @pytest.mark.mpi
