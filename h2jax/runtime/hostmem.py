@@ -3,17 +3,17 @@
 A training step on a host backend allocates and frees the same large buffers step after step
 (XLA's CPU buffers come from malloc), and so does a checkpoint saved while training (its
 staging buffer's pages, and an update that writes the new state to fresh buffers while the
-old one is still being copied: `StageExecutor.share_state`). glibc's defaults hand such buffers back to the kernel
-when freed (a buffer above `mmap_threshold` is its own mapping; free heap above
-`trim_threshold` is trimmed) and fault fresh, zeroed pages in when the next one is allocated:
-kernel time on the cores the step runs on, every step.
+old one is still being copied: `StageExecutor.share_state`). glibc's defaults hand such
+buffers back to the kernel when freed (a buffer above `mmap_threshold` is its own mapping;
+free heap above `trim_threshold` is trimmed) and fault fresh, zeroed pages in when the next
+one is allocated: kernel time on the cores the step runs on, every step.
 
 `keep_freed_memory` keeps them in the heap instead: buffers below 32 MiB (glibc's largest
 `mmap_threshold`) come from the heap, and up to 1 GiB of free heap stays mapped for the next
-allocation. Measured on the `small` model on a 2-core machine (benchmarks/checkpoint.py, run
-in turn with and without): saving every step cost +3.9 to +4.5 % of the step against +4.3 to
-+6.6 % without, and the steps without saving were 1-2 % faster too. The price is resident
-memory: a process keeps up to 1 GiB of heap it has freed, on top of what it uses.
+allocation. Measured on the `small` model on a 2-core machine (benchmarks/checkpoint.py, three
+runs with and three without, in turn, 2026-12-04): saving every step cost +5.4, +5.5 and
++3.9 % of the step against +7.5, +5.4 and +6.5 % without. The price is resident memory: a
+process keeps up to 1 GiB of heap it has freed, on top of what it uses.
 
 Set H2JAX_KEEP_FREED_MEMORY=0 to keep glibc's defaults. Elsewhere than glibc (macOS, musl),
 nothing changes.

@@ -446,8 +446,8 @@ class StageExecutor:
         then, writes the new state to fresh buffers instead of donating these, and never waits
         for it. A checkpoint's snapshot without a copy on the training thread: the writer
         sets `until` once it has copied every byte (checkpoint.write_data_file), usually long
-        before the next update, which then updates in place as usual (measured on the `small`
-        model, the fresh buffers of an update that keeps the state cost 1.5-2 % of a step)."""
+        before the next update, which then updates in place as usual instead of holding a
+        second copy of the state on the stage's devices."""
         self._state_shared = until if until is not None else threading.Event()
         return self.params, self.opt_state
 
