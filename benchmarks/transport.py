@@ -19,6 +19,9 @@ repeat so that a change of load hits all of them alike:
               transport. Receiving into several buffers in turn is slower than into one (which
               stays warm in the caches), and a pipeline cannot do otherwise: the arrays it
               received last are still in use
+  raw_jax_adopt  raw_jax_window, WINDOW + 1 buffers in turn, each made a jax.Array as it
+              arrives by the one zero-copy PJRT call the transport uses: the least any transport
+              that hands over jax.Arrays does per message, apart from its own bookkeeping
   direct      h2jax MPITransport, zero copy: MPI reads the sender's JAX buffer in place and
               writes aligned buffers the receiving jax.Array adopts; receives posted WINDOW ahead
   staged      h2jax MPITransport through one host copy on each end
@@ -92,7 +95,7 @@ def main() -> int:
 
     from h2jax.runtime.jaxsetup import configure_jax
     from h2jax.runtime.ranks import install_abort_on_error, mpi_world_size
-    from h2jax.transport.mpi import MPITransport, aligned_empty
+    from h2jax.transport.mpi import MPITransport, _batched_put, aligned_empty
 
     if mpi_world_size() == 1:
         return relaunch_under_mpiexec(args.hugepages)
@@ -158,6 +161,29 @@ def main() -> int:
             comm.Send(ack, dest=0, tag=8)
         return time.perf_counter() - t0
 
+    def time_raw_adopt(bufs, put, iters, source) -> float:
+        """raw_jax_window plus the one PJRT call that makes each received buffer a jax.Array
+        (the transport's own, zero-copy), kept until the next one: WINDOW + 1 buffers in turn,
+        so none is written while an array holds it."""
+        n = len(bufs)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            requests = [comm.Isend(source, dest=1, tag=7) for _ in range(iters)]
+            MPI.Request.Waitall(requests)
+            comm.Recv(ack, source=1, tag=8)
+        else:
+            posted = [comm.Irecv(bufs[k % n], source=0, tag=7) for k in range(min(WINDOW, iters))]
+            y = None
+            for k in range(iters):
+                posted[k % WINDOW].Wait()
+                y = put([bufs[k % n]])
+                if k + WINDOW < iters:
+                    posted[k % WINDOW] = comm.Irecv(bufs[(k + WINDOW) % n], source=0, tag=7)
+            y.block_until_ready()
+            comm.Send(ack, dest=0, tag=8)
+        return time.perf_counter() - t0
+
     def jax_bytes(x, nbytes):
         """The JAX array's own host buffer, by address, as MPI sends it (rank 0 only)."""
         if x is None:
@@ -187,7 +213,7 @@ def main() -> int:
         return time.perf_counter() - t0
 
     sizes = [4096 << (2 * i) for i in range(12) if (4096 << (2 * i)) <= args.max_mib * MIB]
-    names = ("raw", "raw_window", "raw_jax", "raw_jax_window", "direct", "staged", "strided")
+    names = ("raw", "raw_window", "raw_jax", "raw_jax_window", "raw_jax_adopt", "direct", "staged", "strided")
     rows = []
     for nbytes in sizes:
         shape = boundary_shape(nbytes)
@@ -196,6 +222,10 @@ def main() -> int:
         for b in raw_bufs:
             b[:] = 1
         x = jax.device_put(np.full(shape, 1.0, np.float32), one).block_until_ready() if rank == 0 else None
+        adopt_bufs = [aligned_empty(shape, np.float32) for _ in range(WINDOW + 1)]
+        for b in adopt_bufs:
+            b[...] = 1
+        put = _batched_put(shape, np.float32, one, list(one.mesh.devices.flat), copy=False)
         for name, t in transports.items():
             t.connect(shape, np.float32, {rank: layouts[name]})
         times: dict[str, list[float]] = {n: [] for n in names}
@@ -204,6 +234,7 @@ def main() -> int:
             times["raw_window"].append(time_raw_window(raw_bufs, iters))
             times["raw_jax"].append(time_raw(raw_bufs[0], iters, jax_bytes(x, nbytes)))
             times["raw_jax_window"].append(time_raw_window(raw_bufs, iters, jax_bytes(x, nbytes)))
+            times["raw_jax_adopt"].append(time_raw_adopt(adopt_bufs, put, iters, jax_bytes(x, nbytes)))
             for name, t in transports.items():
                 times[name].append(time_transport(t, x, iters))
         best_raw = [min(a, b) for a, b in zip(times["raw"], times["raw_window"])]
@@ -221,13 +252,15 @@ def main() -> int:
             "direct_vs_raw": ratio("direct", best_raw),
             "direct_vs_raw_jax": ratio("direct", times["raw_jax"]),
             "direct_vs_raw_jax_window": ratio("direct", times["raw_jax_window"]),
+            "direct_vs_raw_jax_adopt": ratio("direct", times["raw_jax_adopt"]),
+            "raw_jax_adopt_vs_raw": ratio("raw_jax_adopt", best_raw),
             "strided_vs_raw": ratio("strided", best_raw),
             "staged_vs_raw": ratio("staged", best_raw),
             "direct_vs_staged": ratio("direct", times["staged"]),
             "direct_overhead_us_per_message": round(statistics.median(
                 (d - r) / iters * 1e6 for d, r in zip(times["direct"], best_raw)), 2),
         })
-        del x, raw_bufs
+        del x, raw_bufs, adopt_bufs
 
     # Work per message, apart from the wire: 4 KiB messages that have already arrived.
     shape = boundary_shape(4096)
@@ -305,6 +338,8 @@ def main() -> int:
         worst = min((r["direct_vs_raw"] for r in large), default=None)
         worst_same_memory = min((r["direct_vs_raw_jax"] for r in large), default=None)
         worst_same_pattern = min((r["direct_vs_raw_jax_window"] for r in large), default=None)
+        worst_adopted = min((r["direct_vs_raw_jax_adopt"] for r in large), default=None)
+        adopt_floor = min((r["raw_jax_adopt_vs_raw"] for r in large), default=None)
         at_4k = next((r for r in rows if r["bytes"] == 4096), None)
         sender, receiver = reports[0], reports[1]
         strided_sent = sender["strided"]["send_pieces_strided"]
@@ -353,6 +388,11 @@ def main() -> int:
                 # into WINDOW receive buffers in turn (a pipeline cannot receive every message
                 # into one buffer: the arrays it received earlier are still in use)
                 "direct_vs_raw_jax_window_min_at_ge_1MiB": worst_same_pattern,
+                # and against that plus the one PJRT call per message that makes the buffer a
+                # jax.Array (raw_jax_adopt): the least a transport that hands over jax.Arrays
+                # does; raw_jax_adopt's own ratio to raw is what that call costs on the wire
+                "direct_vs_raw_jax_adopt_min_at_ge_1MiB": worst_adopted,
+                "raw_jax_adopt_vs_raw_min_at_ge_1MiB": adopt_floor,
                 "receive_work_above_raw_le_10us_at_4KiB": med["h2jax_recv"] - med["raw_recv"] <= 10,
                 # CPU time: what the work costs when no other process takes the core meanwhile
                 "receive_cpu_work_above_raw_le_10us_at_4KiB": med["h2jax_recv_cpu"] - med["raw_recv_cpu"] <= 10,
