@@ -143,29 +143,13 @@ def main() -> int:
             comm.Send(ack, dest=0, tag=8)
         return time.perf_counter() - t0
 
-    def time_raw_window(bufs, iters, source=None) -> float:
-        """Rank 0 sends `source` (default: `bufs[0]`), rank 1 receives into `bufs` in turn."""
+    def time_raw_window(bufs, iters, source=None, put=None) -> float:
+        """Rank 0 sends `source` (default: `bufs[0]`), rank 1 receives into `bufs` in turn,
+        WINDOW receives posted ahead. With `put` (raw_jax_adopt), each received buffer
+        becomes a jax.Array by that one PJRT call, kept until the next one: `bufs` then has
+        WINDOW + 1 buffers, so none is written while an array holds it."""
         source = bufs[0] if source is None else source
-        comm.Barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            requests = [comm.Isend(source, dest=1, tag=7) for _ in range(iters)]
-            MPI.Request.Waitall(requests)
-            comm.Recv(ack, source=1, tag=8)
-        else:
-            posted = [comm.Irecv(bufs[k], source=0, tag=7) for k in range(min(WINDOW, iters))]
-            for k in range(iters):
-                posted[k % WINDOW].Wait()
-                if k + WINDOW < iters:
-                    posted[k % WINDOW] = comm.Irecv(bufs[k % WINDOW], source=0, tag=7)
-            comm.Send(ack, dest=0, tag=8)
-        return time.perf_counter() - t0
-
-    def time_raw_adopt(bufs, put, iters, source) -> float:
-        """raw_jax_window plus the one PJRT call that makes each received buffer a jax.Array
-        (the transport's own, zero-copy), kept until the next one: WINDOW + 1 buffers in turn,
-        so none is written while an array holds it."""
-        n = len(bufs)
+        n, y = len(bufs), None
         comm.Barrier()
         t0 = time.perf_counter()
         if rank == 0:
@@ -174,13 +158,14 @@ def main() -> int:
             comm.Recv(ack, source=1, tag=8)
         else:
             posted = [comm.Irecv(bufs[k % n], source=0, tag=7) for k in range(min(WINDOW, iters))]
-            y = None
             for k in range(iters):
                 posted[k % WINDOW].Wait()
-                y = put([bufs[k % n]])
+                if put is not None:
+                    y = put([bufs[k % n]])
                 if k + WINDOW < iters:
                     posted[k % WINDOW] = comm.Irecv(bufs[(k + WINDOW) % n], source=0, tag=7)
-            y.block_until_ready()
+            if y is not None:
+                y.block_until_ready()
             comm.Send(ack, dest=0, tag=8)
         return time.perf_counter() - t0
 
@@ -234,7 +219,7 @@ def main() -> int:
             times["raw_window"].append(time_raw_window(raw_bufs, iters))
             times["raw_jax"].append(time_raw(raw_bufs[0], iters, jax_bytes(x, nbytes)))
             times["raw_jax_window"].append(time_raw_window(raw_bufs, iters, jax_bytes(x, nbytes)))
-            times["raw_jax_adopt"].append(time_raw_adopt(adopt_bufs, put, iters, jax_bytes(x, nbytes)))
+            times["raw_jax_adopt"].append(time_raw_window(adopt_bufs, iters, jax_bytes(x, nbytes), put))
             for name, t in transports.items():
                 times[name].append(time_transport(t, x, iters))
         best_raw = [min(a, b) for a, b in zip(times["raw"], times["raw_window"])]
