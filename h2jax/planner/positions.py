@@ -63,7 +63,7 @@ class TypeTable:
     k_max: np.ndarray  # (S,) most stages (chips // stage size, at most L)
     end_time: np.ndarray  # (4, S) per role: end-stage seconds of the fill
     end_tail: np.ndarray  # (4, S) per role: tail seconds that do not scale with layers
-    memcap: np.ndarray  # (4, S, L) per role and position j = 1..L: most layers in memory
+    memcap: np.ndarray  # (4, S, L) per role and position j = 1..L: most layers in memory (clip_caps)
     # the steady state's components (the schedule's closed form: 1F1B forward + backward; GPipe
     # forward, backward), each at most its threshold: per-layer seconds (K, S) and end-stage
     # seconds (K, 4, S)
@@ -114,15 +114,28 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
             nb[i], rho[i], own[i] = nbytes, slow, nbytes * fast
             kmax[i] = min(o.stages, L)
         # the fit test's caps at each position's in-flight count (no deferred-W gradients)
-        memcap = np.zeros((4, S, L), dtype=np.int64)
+        memcap = np.zeros((4, S, L), dtype=cap_dtype(L))
         if mems:
             caps = StageMemoryTerms.stacked(mems).max_layers(in_flight[None, :], deferred=0)
-            memcap = np.minimum(caps, L).reshape(S, 4, L).transpose(1, 0, 2).astype(np.int64)
+            memcap = np.ascontiguousarray(clip_caps(caps, L).reshape(S, 4, L).transpose(1, 0, 2))
         out.append(TypeTable(
             list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
             steady_a, steady_end,
         ))
     return out
+
+
+def cap_dtype(L: int) -> type:
+    """The smallest integer type that holds every layer cap, -1 .. L (caps below 1 all mean
+    "no stage here"): the caps' arrays are the DP's largest, and 16-bit ones move a quarter
+    of the bytes of 64-bit ones."""
+    return np.int16 if L < 2**15 else np.int64
+
+
+def clip_caps(caps: np.ndarray, L: int) -> np.ndarray:
+    """Layer caps (float or int; NaN: no stage) clipped to -1 .. L, as cap_dtype(L)."""
+    caps = np.asarray(caps, dtype=float)
+    return np.clip(np.where(np.isnan(caps), -1.0, caps), -1, L).astype(cap_dtype(L))
 
 
 def send_rates(chip, chips: int) -> tuple[float, float]:
@@ -143,7 +156,8 @@ def stage_caps(table: TypeTable, V: np.ndarray, tau: np.ndarray) -> np.ndarray:
     tau = np.asarray(tau, dtype=float)[:, None, None]
     uv = np.floor((V.T[:, :, None, None] - table.steady_end[:, None]) / table.steady_a[:, None, None, :] + _EPS)
     ut = np.floor((tau - table.end_tail[None]) / table.tail_layer + _EPS)
-    u = np.minimum(table.memcap[None], np.minimum(uv.min(axis=0), ut)[..., None])
+    L = table.memcap.shape[-1]
+    u = np.minimum(table.memcap[None], clip_caps(np.minimum(uv.min(axis=0), ut), L)[..., None])
     # a send counts in every steady component: it cannot outpace the sender's own links
     sends = _SENDS[None, :, None] & (table.own_send[None, None, :] > V.min(axis=1)[:, None, None])
     u[np.broadcast_to(sends, u.shape[:3])] = 0
@@ -212,9 +226,8 @@ def undominated(live: Sequence[tuple[TypeTable, np.ndarray]]) -> list[tuple[Type
         if len(i) == 0:
             out.append((t, u))
             continue
-        # caps below 1 all mean "no stage here" (weights): compared as 0, in small integers
-        small = np.int16 if u.max() < 2**15 else np.int64
-        U = np.clip(np.moveaxis(u, 2, 0).reshape(S, -1), 0, None).astype(small)
+        # caps below 1 all mean "no stage here" (weights): compared as 0 (caps: clip_caps's type)
+        U = np.maximum(np.moveaxis(u, 2, 0).reshape(S, -1), 0)
         dom = np.zeros((S, S), dtype=bool)
         dom[i, j] = (U[i] >= U[j]).all(axis=1)
         # j goes if a shape dominates it strictly, or equals it and comes first
@@ -236,7 +249,7 @@ def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
     only for the shapes whose windows need it: the shapes come sorted by k_max); windows cut
     at 0 are prefix minima."""
     n = H.shape[-1]
-    k = [min(int(x), n) for x in k_max]  # (Python ints: the bisections below are per call)
+    k = [min(x, n) for x in np.asarray(k_max).tolist()]  # (Python ints: the bisections below are per call)
     if any(a > b for a, b in zip(k, k[1:])):
         order = np.argsort(k, kind="stable")
         return _window_min(H[..., order, :], np.asarray(k)[order])[..., np.argsort(order), :]
