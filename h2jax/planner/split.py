@@ -28,8 +28,9 @@ class _Leaf:
     caps: np.ndarray
 
 
-def _leaf(ctx: Context, b: int, options: Sequence[Option]) -> _Leaf | None:
-    """The objective's coefficients for one stage list, or None if a stage cannot hold a layer."""
+def _leaf(ctx: Context, b: int, options: Sequence[Option], sends: tuple[float, float]) -> _Leaf | None:
+    """The objective's coefficients for one stage list (sends: its `stage_list_sends`), or
+    None if a stage cannot hold a layer."""
     shapes = [o for o in options for _ in range(o.stages)]
     p, m = len(shapes), ctx.global_batch // b
     terms = [ctx.terms(b, o, i == 0, i == p - 1, *ctx.holds(i, p, m)) for i, o in enumerate(shapes)]
@@ -37,7 +38,7 @@ def _leaf(ctx: Context, b: int, options: Sequence[Option]) -> _Leaf | None:
     caps = np.minimum(np.array([ctx.layer_cap(t) for t in terms], dtype=np.int64), L - p + 1)
     if caps.min() < 1 or caps.sum() < L:
         return None
-    max_send, links = stage_list_sends(ctx, b, shapes)
+    max_send, links = sends
     form, v = ctx.sched.closed_form, ctx.v
     per_layer = np.array([[t.fwd_layer, t.bwd_layer, t.bwd_weight_layer] for t in terms])  # (p, 3)
     ends = np.array([[t.fwd_end, t.bwd_end, t.bwd_weight_end] for t in terms])
@@ -314,11 +315,12 @@ def envelope_bound(weight: float, L: int, rest: Envelope, rest_c: float, stairs:
 
 def _leaf_bound(
     ctx: Context, L: int, m: int, chosen: Sequence[Option], e_first: float, e_last: float,
-    g_first: float, g_last: float,
+    g_first: float, g_last: float, sends: tuple[float, float],
 ) -> float:
     """Like `envelope_bound` for a complete stage list, with each position's in-flight memory
-    cap and the end stages' embedding/logits time (e: in the steady state, g: in the fill):
-    cheaper than building the leaf."""
+    cap, the end stages' embedding/logits time (e: in the steady state, g: in the fill) and
+    its sends (`stage_list_sends`: the largest, a floor of the steady state; all of them and
+    their latencies, twice in the fill): cheaper than building the leaf."""
     ks = [o.stages for o in chosen]
     p = sum(ks)
     caps = np.minimum(ctx.position_caps(chosen, m), L - p + 1)
@@ -346,11 +348,16 @@ def _leaf_bound(
     held = np.minimum(caps[:, None], np.floor((values[None, :] - e[:, None]) / c[:, None] + 1e-9)).clip(min=0).sum(axis=0)
     enough = values[held >= L]
     bottleneck = float(enough.min()) if len(enough) else float(values.max())
-    # (GPipe: max f + max b >= max (f + b), so the same bound holds)
-    fill = float(cf.sum()) + (L - p) * float(cf.min()) + g_first + g_last
+    # (GPipe: max f + max b >= max (f + b), so the same bound holds); the fill: its per-layer
+    # part at least the cheapest split within the memory caps (the cheapest stages filled first)
+    layers = _greedy_fill(cf, np.argsort(cf, kind="stable"), caps, L)
+    if layers is None:
+        return math.inf
+    fill = float(cf @ layers) + g_first + g_last + 2.0 * sends[1]
     tail = _tail_lb(chosen, L, 0.0)
-    weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
-    return weight * bottleneck * (1 - 1e-9) + fill + tail
+    form = ctx.sched.closed_form
+    bottleneck = max(bottleneck, sends[0] * form.send_factor(ctx.v))
+    return form.steady_weight(m, ctx.v) * bottleneck * (1 - 1e-9) + fill * (1 - 1e-9) + tail
 
 
 def _inv_tail(o: Option, L: int) -> float:
@@ -411,9 +418,10 @@ def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: Se
     e_last = 0.0 if p == 1 else last.fwd_end + last.bwd_end
     g_first = ctx.fill_terms(first, p == 1)[1]
     g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
-    if _leaf_bound(ctx, L, m, chosen, e_first, e_last, g_first, g_last) >= top.bound:
+    sends = stage_list_sends(ctx, b, [o for o in chosen for _ in range(o.stages)])
+    if _leaf_bound(ctx, L, m, chosen, e_first, e_last, g_first, g_last, sends) >= top.bound:
         return False
-    leaf = _leaf(ctx, b, chosen)
+    leaf = _leaf(ctx, b, chosen, sends)
     if leaf is None:
         return False
     stats.configs_visited += 1
