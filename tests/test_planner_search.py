@@ -1,5 +1,6 @@
 """The fast search is exact under its own cost model: it matches exhaustive enumeration."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision
 from h2jax.planner import PlannerError, top_k
-from h2jax.planner.split import _breakpoints
+from h2jax.planner.search import make_context
+from h2jax.planner.split import _breakpoints, list_bound
 
 
 @st.composite
@@ -69,6 +71,30 @@ def test_fast_top_k_matches_the_exhaustive_top_k(case, seq, batch):
     assert [c.time_s for c in fast] == pytest.approx([c.time_s for c in full], rel=1e-9)
     assert stats.proved_optimal
     assert stats.lower_bound_s == pytest.approx(fast[0].time_s, rel=1e-12)
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=cases, seq=st.sampled_from([32, 128]), batch=st.sampled_from([4, 6]),
+    schedule=st.sampled_from(["1f1b", "gpipe", "zb-h1"]),
+)
+def test_a_stage_lists_cheap_bound_never_exceeds_its_best_split(case, seq, batch, schedule):
+    """`list_bound` (memory caps, cheapest-first fill within them, sends, tail) is at most the
+    time of the list's best split: here the exhaustive top 6, each a stage list with its
+    best split; a list it prices too high would be skipped by the search."""
+    cluster, model = case
+    try:
+        cands, _ = top_k(cluster, model, seq, batch, k=6, schedule=schedule, exhaustive=True)
+    except PlannerError:
+        return
+    ctx = make_context(cluster, model, seq, batch, schedule)
+    shapes = {(b, o.chip, o.data, o.tensor, o.recompute): o  # a shape's terms are per micro-batch size
+              for b in {c.micro_batch for c in cands} for opts in ctx.type_shapes(b, False) for o in opts}
+    for c in cands:
+        chosen = [dataclasses.replace(shapes[(c.micro_batch, o.chip, o.data, o.tensor, o.recompute)], stages=o.stages)
+                  for o in c.options]
+        bound = list_bound(ctx, c.micro_batch, chosen)
+        assert 0 < bound <= c.time_s * (1 + 1e-12), (bound, c.time_s)
 
 
 def test_time_limit_returns_the_best_found_with_a_valid_lower_bound():

@@ -313,16 +313,23 @@ def envelope_bound(weight: float, L: int, rest: Envelope, rest_c: float, stairs:
     return best if best < math.inf else weight * v0 + floor_fill
 
 
-def _leaf_bound(
-    ctx: Context, L: int, m: int, chosen: Sequence[Option], e_first: float, e_last: float,
-    g_first: float, g_last: float, sends: tuple[float, float],
-) -> float:
-    """Like `envelope_bound` for a complete stage list, with each position's in-flight memory
-    cap, the end stages' embedding/logits time (e: in the steady state, g: in the fill) and
-    its sends (`stage_list_sends`: the largest, a floor of the steady state; all of them and
-    their latencies, twice in the fill): cheaper than building the leaf."""
+def list_bound(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[float, float] | None = None) -> float:
+    """A lower bound on one stage list's time over every layer split (inf: it cannot hold the
+    model), without building its leaf: like `envelope_bound`, with each position's in-flight
+    memory cap, the end stages' embedding/logits time and the list's sends
+    (`stage_list_sends`, computed here unless given: the largest, a floor of the steady
+    state; all of them and their latencies, twice in the fill)."""
+    L, m = ctx.model.n_layers, ctx.global_batch // b
+    p = sum(o.stages for o in chosen)
+    first = ctx.terms(b, chosen[0], True, p == 1, 1)
+    last = ctx.terms(b, chosen[-1], p == 1, True, 1)
+    e_first = first.fwd_end + first.bwd_end  # in the steady state
+    e_last = 0.0 if p == 1 else last.fwd_end + last.bwd_end
+    g_first = ctx.fill_terms(first, p == 1)[1]  # in the fill
+    g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
+    if sends is None:
+        sends = stage_list_sends(ctx, b, [o for o in chosen for _ in range(o.stages)])
     ks = [o.stages for o in chosen]
-    p = sum(ks)
     caps = np.minimum(ctx.position_caps(chosen, m), L - p + 1)
     if caps.min() < 1 or caps.sum() < L:
         return math.inf
@@ -412,14 +419,8 @@ def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: Se
     # the bottleneck is at least the continuous balance L / sum(k/c); every stage runs a layer
     if weight * L / sum(o.speed for o in chosen) + sum(o.stages * o.fill for o in chosen) >= top.bound:
         return False
-    first = ctx.terms(b, chosen[0], True, p == 1, 1)
-    last = ctx.terms(b, chosen[-1], p == 1, True, 1)
-    e_first = first.fwd_end + first.bwd_end
-    e_last = 0.0 if p == 1 else last.fwd_end + last.bwd_end
-    g_first = ctx.fill_terms(first, p == 1)[1]
-    g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
     sends = stage_list_sends(ctx, b, [o for o in chosen for _ in range(o.stages)])
-    if _leaf_bound(ctx, L, m, chosen, e_first, e_last, g_first, g_last, sends) >= top.bound:
+    if list_bound(ctx, b, chosen, sends) >= top.bound:
         return False
     leaf = _leaf(ctx, b, chosen, sends)
     if leaf is None:
