@@ -199,7 +199,7 @@ def test_a_boxs_lambda_follows_the_dual_past_the_wider_steps(monkeypatch):
     calls = []
 
     def dual(peak):
-        def rows(batch, L, corners, box, lams):
+        def rows(batch, L, boxes, corners, box, lams):
             calls.append(len(lams))
             return -np.abs(np.log(np.asarray(lams) / peak))  # concave in log lambda, 0 at the peak
         return rows

@@ -119,10 +119,11 @@ def _bounds(
     best = [(-math.inf, 0.0)] * len(corners)
     sign = [1.0] * len(corners)
     todo = list(range(len(corners)))
+    corners = np.array(corners)
+    boxes = pos.Boxes.of(batch.tables, corners[:, :-1], corners[:, -1])  # for every round
     for _ in range(LAMBDA_ROUNDS):
-        box = np.concatenate([np.full(len(cand[i]), k) for k, i in enumerate(todo)])
-        vals = _lagrangian_rows(batch, L, np.array([corners[i] for i in todo]), box,
-                                np.concatenate([cand[i] for i in todo]))
+        box = np.concatenate([np.full(len(cand[i]), i) for i in todo])
+        vals = _lagrangian_rows(batch, L, boxes, corners, box, np.concatenate([cand[i] for i in todo]))
         nxt, start = [], 0
         for i in todo:
             c = cand[i]
@@ -163,18 +164,19 @@ def _bounds(
 MAX_ROWS = 12  # rows per DP call: larger arrays fall out of the caches and cost more per row
 
 
-def _lagrangian_rows(batch: _Batch, L: int, corners: np.ndarray, box: np.ndarray, lams: np.ndarray) -> np.ndarray:
-    """pos.lagrangian in chunks of at most MAX_ROWS rows; corners (B, K+1)."""
+def _lagrangian_rows(
+    batch: _Batch, L: int, boxes: pos.Boxes, corners: np.ndarray, box: np.ndarray, lams: np.ndarray,
+) -> np.ndarray:
+    """pos.lagrangian of rows (box[r]: an index into corners (B, K+1), made into `boxes`) in
+    chunks of at most MAX_ROWS rows."""
     out = np.empty(len(box))
     batch.rows += len(box)
+    keys = [c.tobytes() for c in corners]
+    fits = np.array([batch.fits.get(k, -1) for k in keys], dtype=np.int8)
     for start in range(0, len(box), MAX_ROWS):
         sl = slice(start, start + MAX_ROWS)
-        used = np.unique(box[sl])
-        where = np.searchsorted(used, box[sl])
-        keys = [corners[i].tobytes() for i in used]
-        fits = np.array([batch.fits.get(k, -1) for k in keys], dtype=np.int8)
-        out[sl] = pos.lagrangian(batch.tables, L, corners[used, :-1], corners[used, -1], where, lams[sl], fits)
-        batch.fits.update(zip(keys, fits.tolist()))
+        out[sl] = pos.lagrangian(boxes, L, corners[:, :-1], corners[:, -1], box[sl], lams[sl], fits)
+    batch.fits.update(zip(keys, fits.tolist()))
     return out
 
 

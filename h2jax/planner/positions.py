@@ -289,7 +289,7 @@ class Weights:
 
 def weights(
     table: TypeTable, u: np.ndarray, lams: np.ndarray, rows: np.ndarray | None = None,
-    capacity: np.ndarray | bool = False,
+    capacity: np.ndarray | bool = False, sums: "MidSums | None" = None,
 ) -> Weights:
     """w per row r from the caps u (B, 4, S, L) of its box rows[r] (default: row r) and lams[r];
     capacity rows (`capacity[r]`) take w = -u instead: the DP then gives minus the most layers
@@ -297,7 +297,7 @@ def weights(
 
     w = c + (a - lambda) * (u if lambda > a else 1) = base + coef * (u - 1) with per-row base
     and coef, so the prefix sums over positions are base * (#feasible) + coef * sum(u - 1), the
-    two sums taken once per box."""
+    two sums taken once per box (`sums`: already taken, by `mid_sums`)."""
     B, _, S, L = u.shape
     rows = np.arange(B) if rows is None else rows
     R = len(rows)
@@ -311,23 +311,40 @@ def weights(
     def base(role: int) -> np.ndarray:  # (R, S)
         return np.where(cr, 0.0, const[role][None, :]) + slope
 
-    ok = u[:, MID] >= 1  # (B, S, L)
-    n_ok = np.zeros((B, S, L + 1))
-    np.cumsum(ok, axis=-1, out=n_ok[..., 1:])
-    extra = np.zeros((B, S, L + 1))
-    np.cumsum(np.where(ok, u[:, MID] - 1.0, 0.0), axis=-1, out=extra[..., 1:])
-    Wm = base(MID)[:, :, None] * n_ok[rows] + coef[:, :, None] * extra[rows]
+    sums = mid_sums(u) if sums is None else sums
+    Wm = base(MID)[:, :, None] * sums.n_ok[rows] + coef[:, :, None] * sums.extra[rows]
     uf = u[:, FIRST]
     first = np.full((R, S, L + 1), np.inf)
     first[..., 1:] = np.where((uf >= 1)[rows], base(FIRST)[:, :, None] + coef[:, :, None] * (uf - 1.0)[rows], np.inf)
-    mid_ok = np.ones((B, S, L + 1), dtype=bool)
-    mid_ok[..., 2:] = np.logical_and.accumulate(ok[..., 1:], axis=-1)
     end = u[:, :, :, 0][rows]  # (R, 4, S): position 1
 
     def at_one(role: int) -> np.ndarray:
         return np.where(end[:, role] >= 1, base(role) + coef * (end[:, role] - 1.0), np.inf)
 
-    return Weights(Wm, first, at_one(LAST), at_one(ONLY), mid_ok[rows])
+    return Weights(Wm, first, at_one(LAST), at_one(ONLY), sums.mid_ok[rows])
+
+
+@dataclasses.dataclass
+class MidSums:
+    """Per box, shape and middle position j = 0..L, what `weights` needs of the caps u that
+    does not depend on lambda: prefix sums over positions 1..j of the positions that hold a
+    stage and of their layers beyond one, and whether positions 2..j all hold one."""
+
+    n_ok: np.ndarray  # (B, S, L+1)
+    extra: np.ndarray  # (B, S, L+1)
+    mid_ok: np.ndarray  # (B, S, L+1)
+
+
+def mid_sums(u: np.ndarray) -> MidSums:
+    B, _, S, L = u.shape
+    ok = u[:, MID] >= 1  # (B, S, L)
+    n_ok = np.zeros((B, S, L + 1))
+    np.cumsum(ok, axis=-1, out=n_ok[..., 1:])
+    extra = np.zeros((B, S, L + 1))
+    np.cumsum(np.where(ok, u[:, MID] - 1.0, 0.0), axis=-1, out=extra[..., 1:])
+    mid_ok = np.ones((B, S, L + 1), dtype=bool)
+    mid_ok[..., 2:] = np.logical_and.accumulate(ok[..., 1:], axis=-1)
+    return MidSums(n_ok, extra, mid_ok)
 
 
 def _bits(mask: int) -> list[int]:
@@ -443,16 +460,30 @@ def max_layers(live: Sequence[tuple[TypeTable, np.ndarray]], L: int) -> np.ndarr
     return -back_dp([t for t, _ in live], ws, L, B)
 
 
+@dataclasses.dataclass
+class Boxes:
+    """What the bound needs of a set of box corners, made once for all the lambdas tried at
+    them: per chip type its live shapes (none another dominates in every box: then none in
+    any subset of them either), their caps u (B, 4, S, L) and `mid_sums`."""
+
+    live: list  # per type (table, u, MidSums)
+
+    @classmethod
+    def of(cls, tables: Sequence[TypeTable], V: np.ndarray, tau: np.ndarray) -> "Boxes":
+        return cls([(t, u, mid_sums(u)) for t, u in undominated(live_tables(tables, V, tau))])
+
+
 def lagrangian(
-    tables: Sequence[TypeTable], L: int, V: np.ndarray, tau: np.ndarray, box: np.ndarray, lams: np.ndarray,
-    fits: np.ndarray | None = None,
+    tables: Sequence[TypeTable] | Boxes, L: int, V: np.ndarray, tau: np.ndarray, box: np.ndarray,
+    lams: np.ndarray, fits: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per row r: lams[r] * L + min over stage lists of sum_i w_i(lams[r]) at the thresholds
     (V, tau)[box[r]]: a lower bound on the fill of every plan with steady <= V and tail <= tau;
     inf where no stage list holds the L layers under them. One DP: the rows, then one
     capacity row per box whose `fits` (per box: 1 holds L layers, 0 does not, -1 unknown;
-    default unknown) is not known; `fits` is filled in."""
-    live = undominated(live_tables(tables, V, tau))  # caps per box
+    default unknown) is not known; `fits` is filled in. `tables` may be the `Boxes` of
+    (V, tau), made already."""
+    boxes = tables if isinstance(tables, Boxes) else Boxes.of(tables, V, tau)
     box = np.asarray(box, dtype=np.int64)
     R, B = len(box), len(V)
     fits = np.full(B, -1, dtype=np.int8) if fits is None else fits
@@ -460,7 +491,7 @@ def lagrangian(
     rows = np.concatenate([box, unknown])
     lam_rows = np.concatenate([np.asarray(lams, dtype=float), np.zeros(len(unknown))])
     capacity = np.arange(len(rows)) >= R
-    ws = [weights(t, u, lam_rows, rows, capacity) for t, u in live]
-    dp = back_dp([t for t, _ in live], ws, L, len(rows))
+    ws = [weights(t, u, lam_rows, rows, capacity, sums) for t, u, sums in boxes.live]
+    dp = back_dp([t for t, _, _ in boxes.live], ws, L, len(rows))
     fits[unknown] = -dp[R:] >= L
     return np.where(fits[box] > 0, lam_rows[:R] * L + dp[:R], np.inf)
