@@ -5,6 +5,8 @@ Prints one JSON object. Planning target: llama-100b, seq 4096, 8M-token global b
 time limit (else `lower_bound_s` is a valid lower bound on the optimum and
 `within_of_optimum` = time / bound - 1). Each shipped cluster is searched `--repeat` times
 (min and median wall time: the search is deterministic, the spread is the machine's).
+`--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
+each: how many are proved optimal, the total and slowest time, how many take over 1 s).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_cluster
+from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_chip, load_cluster
 from h2jax.planner import PlannerError, top_k
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,11 +127,43 @@ def fast_vs_exhaustive(cases: int, seed: int) -> dict:
     }
 
 
+ACCELERATORS = ["amd-mi300x", "google-tpu-v5e", "huawei-ascend-910b", "intel-gaudi2", "nvidia-a100", "nvidia-h100"]
+
+
+def random_shipped(cases: int, seed: int, time_limit: float) -> dict:
+    """The search on random clusters of 2-4 shipped accelerator types (16-256 chips each, in
+    multiples of 8), llama-7b, 70b or 100b, seq 4096, 2M-8M-token batches, 1F1B: how many
+    it proves optimal, its total and slowest time and how many take over 1 s (one run each)."""
+    rng = random.Random(seed)
+    walls, proved, with_plan = [], 0, 0
+    for _ in range(cases):
+        names = rng.sample(ACCELERATORS, rng.randint(2, 4))
+        cluster = Cluster(tuple(ChipGroup(load_chip(n), 8 * rng.randint(2, 32)) for n in names), name="random")
+        model = rng.choice(["llama-7b", "llama-70b", "llama-100b"])
+        batch = rng.choice([2, 4, 8]) * 2**20 // 4096
+        t0 = time.perf_counter()
+        try:
+            _, stats = top_k(cluster, model, 4096, batch, time_limit_s=time_limit)
+        except PlannerError:
+            walls.append(time.perf_counter() - t0)
+            continue
+        walls.append(time.perf_counter() - t0)
+        with_plan += 1
+        proved += stats.proved_optimal
+    return {
+        "cases": cases, "cases_with_a_plan": with_plan, "proved_optimal": proved,
+        "total_s": round(sum(walls), 2), "slowest_s": round(max(walls, default=0.0), 3),
+        "over_1s": sum(w > 1.0 for w in walls),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--time-limit", type=float, default=60.0, help="per shipped cluster search (s)")
     parser.add_argument("--repeat", type=int, default=3, help="searches per shipped cluster (min and median)")
     parser.add_argument("--cases", type=int, default=30, help="random small clusters")
+    parser.add_argument("--random-shipped", type=int, default=0,
+                        help="random clusters of 2-4 shipped accelerator types to search (one run each)")
     args = parser.parse_args()
     print(json.dumps({
         "model": "llama-100b", "seq_len": 4096, "global_batch_tokens": 8 * 2**20, "schedule": "1f1b",
@@ -137,6 +171,7 @@ def main() -> None:
         "shipped_clusters": shipped(args.time_limit, args.repeat),
         "shipped_clusters_gpipe": shipped_gpipe(args.time_limit),
         "small_clusters": fast_vs_exhaustive(args.cases, seed=0),
+        **({"random_shipped": random_shipped(args.random_shipped, 1, args.time_limit)} if args.random_shipped else {}),
     }))
 
 
