@@ -289,7 +289,7 @@ class Weights:
 
 def weights(
     table: TypeTable, u: np.ndarray, lams: np.ndarray, rows: np.ndarray | None = None,
-    capacity: np.ndarray | bool = False, sums: "MidSums | None" = None,
+    capacity: np.ndarray | bool = False, sums: MidSums | None = None,
 ) -> Weights:
     """w per row r from the caps u (B, 4, S, L) of its box rows[r] (default: row r) and lams[r];
     capacity rows (`capacity[r]`) take w = -u instead: the DP then gives minus the most layers
@@ -336,6 +336,7 @@ class MidSums:
 
 
 def mid_sums(u: np.ndarray) -> MidSums:
+    """MidSums of the caps u (B, 4, S, L)."""
     B, _, S, L = u.shape
     ok = u[:, MID] >= 1  # (B, S, L)
     n_ok = np.zeros((B, S, L + 1))
@@ -463,8 +464,10 @@ def max_layers(live: Sequence[tuple[TypeTable, np.ndarray]], L: int) -> np.ndarr
 @dataclasses.dataclass
 class Boxes:
     """What the bound needs of a set of box corners, made once for all the lambdas tried at
-    them: per chip type its live shapes (none another dominates in every box: then none in
-    any subset of them either), their caps u (B, 4, S, L) and `mid_sums`."""
+    them: per chip type the shapes that can hold a stage in some box and that no other shape
+    of the type dominates in every box (`undominated`: dominated in every box of the set, a
+    shape is dominated in any subset of them, the rows of a later lambda round), their caps
+    u (B, 4, S, L) and their `mid_sums`."""
 
     live: list  # per type (table, u, MidSums)
 
