@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from h2jax.cluster import load_cluster
-from h2jax.planner import PlannerError, top_k
+from h2jax.planner import top_k
 from h2jax.planner import cost_model as cm
 from h2jax.planner import positions as pos
 from h2jax.planner.search import candidate_plan, make_context
-from tests.test_planner_search import cases
+from tests.test_planner_search import cases, exhaustive_top
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,12 +55,10 @@ def plan_figures(cand, ctx, cluster):
 def test_the_lagrangian_bound_never_exceeds_a_plans_fill(case, seq, batch, schedule):
     """For every plan (here: the exhaustive top 6) and every lambda, the DP's value at the
     plan's own steady components and tail is at most its fill, and the model fits under them."""
-    cluster, model = case
-    try:
-        cands, _ = top_k(cluster, model, seq, batch, k=6, schedule=schedule, exhaustive=True)
-    except PlannerError:
+    found = exhaustive_top(case, seq, batch, schedule)
+    if found is None:
         return
-    ctx = make_context(cluster, model, seq, batch, schedule)
+    (cands, ctx), cluster = found, case[0]
     for cand in cands:
         steady, tail, fill = plan_figures(cand, ctx, cluster)
         tables = pos.type_tables(ctx, cand.micro_batch)

@@ -42,6 +42,17 @@ cases = st.one_of(
 )
 
 
+def exhaustive_top(case, seq, batch, schedule, k=6):
+    """(the exhaustive k best stage lists, each with its best split, and the search context)
+    of a random case, or None where no plan fits."""
+    cluster, model = case
+    try:
+        cands, _ = top_k(cluster, model, seq, batch, k=k, schedule=schedule, exhaustive=True)
+    except PlannerError:
+        return None
+    return cands, make_context(cluster, model, seq, batch, schedule)
+
+
 # The fast search against the exhaustive one on hundreds of random clusters (2-4 chip types,
 # both schedules, infeasible ones included): tests/test_planner_properties.py.
 
@@ -82,12 +93,10 @@ def test_a_stage_lists_cheap_bound_never_exceeds_its_best_split(case, seq, batch
     """`list_bound` (memory caps, cheapest-first fill within them, sends, tail) is at most the
     time of the list's best split: here the exhaustive top 6, each a stage list with its
     best split; a list it prices too high would be skipped by the search."""
-    cluster, model = case
-    try:
-        cands, _ = top_k(cluster, model, seq, batch, k=6, schedule=schedule, exhaustive=True)
-    except PlannerError:
+    found = exhaustive_top(case, seq, batch, schedule)
+    if found is None:
         return
-    ctx = make_context(cluster, model, seq, batch, schedule)
+    cands, ctx = found
     shapes = {(b, o.chip, o.data, o.tensor, o.recompute): o  # a shape's terms are per micro-batch size
               for b in {c.micro_batch for c in cands} for opts in ctx.type_shapes(b, False) for o in opts}
     for c in cands:
