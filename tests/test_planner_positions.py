@@ -65,7 +65,7 @@ def test_the_lagrangian_bound_never_exceeds_a_plans_fill(case, seq, batch, sched
         a = np.concatenate([t.a for t in tables if t.size])
         lams = np.concatenate([[0.0], np.linspace(0.5, 2.0, 7) * a.mean(), a])
         V, tau = steady[None] * (1 + 1e-12), np.array([tail * (1 + 1e-12)])
-        bound = pos.lagrangian(tables, ctx.model.n_layers, V, tau, np.zeros(len(lams), dtype=int), lams)
+        bound = pos.lagrangian(pos.Boxes.of(tables, V, tau), ctx.model.n_layers, np.zeros(len(lams), dtype=int), lams)
         assert np.isfinite(bound).all()
         assert bound.max() <= fill * (1 + 1e-9)
 
@@ -79,7 +79,8 @@ def test_below_the_smallest_steady_nothing_fits():
     L = ctx.model.n_layers
     held = pos.max_layers(pos.live_tables(tables, np.array([[steady], [steady / 4]]), np.full(2, np.inf)), L)
     assert held[0] >= L > held[1]
-    bound = pos.lagrangian(tables, L, np.array([[steady / 4]]), np.array([np.inf]), np.zeros(1, dtype=int), np.ones(1))
+    boxes = pos.Boxes.of(tables, np.array([[steady / 4]]), np.array([np.inf]))
+    bound = pos.lagrangian(boxes, L, np.zeros(1, dtype=int), np.ones(1))
     assert bound[0] == np.inf
 
 

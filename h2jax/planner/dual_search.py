@@ -175,7 +175,7 @@ def _lagrangian_rows(
     fits = np.array([batch.fits.get(k, -1) for k in keys], dtype=np.int8)
     for start in range(0, len(box), MAX_ROWS):
         sl = slice(start, start + MAX_ROWS)
-        out[sl] = pos.lagrangian(boxes, L, corners[:, :-1], corners[:, -1], box[sl], lams[sl], fits)
+        out[sl] = pos.lagrangian(boxes, L, box[sl], lams[sl], fits)
     batch.fits.update(zip(keys, fits.tolist()))
     return out
 

@@ -469,27 +469,27 @@ class Boxes:
     shape is dominated in any subset of them, the rows of a later lambda round), their caps
     u (B, 4, S, L) and their `mid_sums`."""
 
+    n: int  # boxes B
     live: list  # per type (table, u, MidSums)
 
     @classmethod
     def of(cls, tables: Sequence[TypeTable], V: np.ndarray, tau: np.ndarray) -> "Boxes":
-        return cls([(t, u, mid_sums(u)) for t, u in undominated(live_tables(tables, V, tau))])
+        """The boxes whose upper corners are (V[b], tau[b]): V (B, K) steady components, tau (B,)."""
+        live = undominated(live_tables(tables, V, tau))
+        return cls(len(tau), [(t, u, mid_sums(u)) for t, u in live])
 
 
 def lagrangian(
-    tables: Sequence[TypeTable] | Boxes, L: int, V: np.ndarray, tau: np.ndarray, box: np.ndarray,
-    lams: np.ndarray, fits: np.ndarray | None = None,
+    boxes: Boxes, L: int, box: np.ndarray, lams: np.ndarray, fits: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Per row r: lams[r] * L + min over stage lists of sum_i w_i(lams[r]) at the thresholds
-    (V, tau)[box[r]]: a lower bound on the fill of every plan with steady <= V and tail <= tau;
-    inf where no stage list holds the L layers under them. One DP: the rows, then one
+    """Per row r: lams[r] * L + min over stage lists of sum_i w_i(lams[r]) at the upper corner
+    of boxes' box[r]: a lower bound on the fill of every plan with steady <= V and tail <= tau
+    there; inf where no stage list holds the L layers under them. One DP: the rows, then one
     capacity row per box whose `fits` (per box: 1 holds L layers, 0 does not, -1 unknown;
-    default unknown) is not known; `fits` is filled in. `tables` may be the `Boxes` of
-    (V, tau), made already."""
-    boxes = tables if isinstance(tables, Boxes) else Boxes.of(tables, V, tau)
+    default unknown) is not known; `fits` is filled in."""
     box = np.asarray(box, dtype=np.int64)
-    R, B = len(box), len(V)
-    fits = np.full(B, -1, dtype=np.int8) if fits is None else fits
+    R = len(box)
+    fits = np.full(boxes.n, -1, dtype=np.int8) if fits is None else fits
     unknown = np.nonzero(fits < 0)[0]
     rows = np.concatenate([box, unknown])
     lam_rows = np.concatenate([np.asarray(lams, dtype=float), np.zeros(len(unknown))])
