@@ -5,6 +5,9 @@ Prints one JSON object. Planning target: llama-100b, seq 4096, 8M-token global b
 time limit (else `lower_bound_s` is a valid lower bound on the optimum and
 `within_of_optimum` = time / bound - 1). Each shipped cluster is searched `--repeat` times
 (min and median wall time: the search is deterministic, the spread is the machine's).
+Two shapes per chip type: the shipped clusters' plans with the local search after the exact
+one (how much faster than the proved one-shape optimum), and the local search against the
+exhaustive two-shape enumeration on `--two-shape-cases` random tiny clusters.
 `--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
 each: how many are proved optimal, the total and slowest time, how many take over 1 s).
 """
@@ -80,16 +83,20 @@ def shipped_gpipe(time_limit: float) -> dict:
     return out
 
 
+def random_chip(rng: random.Random, name: str, memories_gib: list[float], per_node: list[int]) -> ChipType:
+    return ChipType(
+        name, "cpu", rng.choice(memories_gib), rng.choice([0.1, 0.3, 1.0, 2.5]),
+        rng.choice(per_node), rng.choice([5.0, 50.0]), rng.choice([0.5, 2.0, 10.0]), "benchmark",
+        precision=Precision("float32", rng.choice(["float32", "bfloat16"])),
+    )
+
+
 def random_cluster(rng: random.Random) -> tuple[Cluster, str]:
     n_types = rng.choice([2, 3])
     max_count, model = (32, rng.choice(["tiny", "small"])) if n_types == 2 else (8, "tiny")
     groups = []
     for i in range(n_types):
-        chip = ChipType(
-            f"chip{i}", "cpu", rng.choice([0.004, 0.008, 0.016, 0.05, 1.0]), rng.choice([0.1, 0.3, 1.0, 2.5]),
-            rng.choice([1, 2, 4]), rng.choice([5.0, 50.0]), rng.choice([0.5, 2.0, 10.0]), "benchmark",
-            precision=Precision("float32", rng.choice(["float32", "bfloat16"])),
-        )
+        chip = random_chip(rng, f"chip{i}", [0.004, 0.008, 0.016, 0.05, 1.0], [1, 2, 4])
         groups.append(ChipGroup(chip, rng.randint(1, max_count)))
     return Cluster(tuple(groups), name="random"), model
 
@@ -124,6 +131,68 @@ def fast_vs_exhaustive(cases: int, seed: int) -> dict:
     return {
         "cases": cases, "cases_with_a_plan": fits, "fast_equals_exhaustive": agree,
         "worst_relative_gap": worst, "fast_total_s": round(fast_s, 3), "exhaustive_total_s": round(full_s, 3),
+    }
+
+
+def shipped_two_shapes(time_limit: float) -> dict:
+    """Two shapes per chip type (`mixed_shapes=True`, what `h2jax plan` does by default): the
+    proved one-shape optimum, the local search's plan from it, how much faster, and the whole
+    search's time (one run each)."""
+    out = {}
+    for name in CLUSTERS:
+        cluster = load_cluster(REPO / "plans" / name)
+        t0 = time.perf_counter()
+        (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, time_limit_s=time_limit,
+                               mixed_shapes=True)
+        wall = time.perf_counter() - t0
+        per_type = {}
+        for o in best.options:
+            per_type.setdefault(o.chip, []).append(f"{o.stages}x(data={o.data},tensor={o.tensor},{o.recompute})")
+        out[cluster.name] = {
+            "search_time_s": round(wall, 3),
+            "one_shape_step_time_s": round(stats.one_shape_time_s, 4),
+            "step_time_s": round(best.time_s, 4),
+            "faster_by": round(1 - best.time_s / stats.one_shape_time_s, 4),
+            "types_on_two_shapes": {c: v for c, v in per_type.items() if len(v) > 1},
+        }
+    return out
+
+
+def tiny_cluster(rng: random.Random) -> Cluster:
+    """1-2 chip types of 2-12 chips each (small enough for the exhaustive two-shape space)."""
+    groups = []
+    for i in range(rng.choice([1, 2, 2])):
+        groups.append(ChipGroup(random_chip(rng, f"chip{i}", [0.004, 0.008, 0.016], [2, 4]), rng.randint(2, 12)))
+    return Cluster(tuple(groups), name="random")
+
+
+def two_shapes_vs_exhaustive(cases: int, seed: int) -> dict:
+    """The local search against the exhaustive enumeration of every two-shape stage list on
+    small random clusters (tiny model): in how many cases two shapes beat one, and in how many
+    of those the local search reaches the two-shape optimum (and by how much it misses)."""
+    rng = random.Random(seed)
+    fits = two_better = reached = 0
+    worst, gains = 0.0, []
+    for _ in range(cases):
+        cluster = tiny_cluster(rng)
+        seq, batch, schedule = rng.choice([32, 128]), rng.choice([2, 4, 8]), rng.choice(["1f1b", "1f1b", "gpipe"])
+        try:
+            (one,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule)
+        except PlannerError:
+            continue
+        (local,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+        (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
+        fits += 1
+        if full.time_s < one.time_s * (1 - 1e-9):
+            two_better += 1
+            gains.append(1 - full.time_s / one.time_s)
+            miss = local.time_s / full.time_s - 1
+            reached += miss <= 1e-9
+            worst = max(worst, miss)
+    return {
+        "cases": cases, "cases_with_a_plan": fits, "two_shapes_faster": two_better,
+        "local_search_reached_the_two_shape_optimum": reached, "worst_miss": round(worst, 4),
+        "largest_two_shape_gain": round(max(gains, default=0.0), 4),
     }
 
 
@@ -162,6 +231,8 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, help="per shipped cluster search (s)")
     parser.add_argument("--repeat", type=int, default=3, help="searches per shipped cluster (min and median)")
     parser.add_argument("--cases", type=int, default=30, help="random small clusters")
+    parser.add_argument("--two-shape-cases", type=int, default=40,
+                        help="random tiny clusters on which the two-shape local search meets the exhaustive")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")
     args = parser.parse_args()
@@ -171,6 +242,8 @@ def main() -> None:
         "shipped_clusters": shipped(args.time_limit, args.repeat),
         "shipped_clusters_gpipe": shipped_gpipe(args.time_limit),
         "small_clusters": fast_vs_exhaustive(args.cases, seed=0),
+        "shipped_clusters_two_shapes": shipped_two_shapes(args.time_limit),
+        "small_clusters_two_shapes": two_shapes_vs_exhaustive(args.two_shape_cases, seed=1),
         **({"random_shipped": random_shipped(args.random_shipped, 1, args.time_limit)} if args.random_shipped else {}),
     }))
 

@@ -152,7 +152,7 @@ def plan_alone(
     batch = sequences(global_batch_tokens, seq_len)
     out = {}
     for chip, b in homogeneous_baselines(cluster, get_config(model), seq_len, batch,
-                                         schedule=schedule, profile=profile).items():
+                                         schedule=schedule, profile=profile, mixed_shapes=True).items():
         if b.plan is None:
             out[chip] = Run(chip, b.chips, global_batch_tokens, None, None, None, b.reason)
             continue

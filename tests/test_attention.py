@@ -206,20 +206,25 @@ def test_attention_cost_per_kernel():
 
 
 def test_fused_attention_plans_llama_100b_with_less_recomputation():
-    """64 H100s, llama-100b at seq 4096: under XLA attention no stage can keep a layer's
-    activations (the h*s scores), so every layer is recomputed; under cuDNN's flash kernel the
-    same stages keep them and nothing is recomputed."""
+    """64 H100s, llama-100b at seq 4096: under XLA attention no stage of one shape can keep a
+    layer's activations (the h*s scores), so every layer is recomputed; under cuDNN's flash
+    kernel the same stages keep them and nothing is recomputed. With two shapes on the type,
+    the XLA plan's back stages (fewer micro-batches in flight) keep theirs, the front ones
+    still recompute."""
     from h2jax.planner import plan_cluster
 
     h100 = load_chip("nvidia-h100")
     plans = {}
     for attention in ("xla", "fused"):
         cluster = Cluster((ChipGroup(dataclasses.replace(h100, kernels=Kernels(attention)), 64),))
-        plans[attention] = plan_cluster(cluster, "llama-100b", 4096, 512, baselines=False).plan
+        plans[attention] = plan_cluster(cluster, "llama-100b", 4096, 512, baselines=False, mixed_shapes=False).plan
         plans[attention + "_cluster"] = cluster
-    recomputed = {k: sum(s.n_layers for s in plans[k].stages if s.recompute != "none") for k in ("xla", "fused")}
+        plans[attention + "_two"] = plan_cluster(cluster, "llama-100b", 4096, 512, baselines=False).plan
+    recomputed = {k: sum(s.n_layers for s in plans[k].stages if s.recompute != "none")
+                  for k in ("xla", "fused", "xla_two", "fused_two")}
     assert recomputed["fused"] < recomputed["xla"]
-    assert recomputed == {"xla": 88, "fused": 0}
+    assert recomputed == {"xla": 88, "fused": 0, "xla_two": recomputed["xla_two"], "fused_two": 0}
+    assert 0 < recomputed["xla_two"] < 88 and plans["xla_two"].stages[0].recompute != "none"
     assert plans["fused"].predicted["step_time_s"] < plans["xla"].predicted["step_time_s"]
     # the reason: the XLA plan's own stages with recompute "none" all fit under fused attention,
     # but not under XLA attention, where the first stages (most micro-batches in flight) would

@@ -102,12 +102,15 @@ def plan_cluster(
     baseline_global_batch: int | None = None,
     time_limit_s: float | None = None,
     virtual_stages: int | None = None,
+    mixed_shapes: bool = True,
 ) -> PlanResult:
     """The fastest plan for `cluster` under the cost model, with homogeneous baselines.
 
     `global_batch` is in sequences. `k` > 1 keeps the k best stage lists in `candidates`
     (for re-ranking with the simulator). `baseline_global_batch` adds paper-style baselines at
     a different batch, labelled batch-mismatched; the ratio always uses the matched ones.
+    `mixed_shapes` (default) lets a chip type's stages take two shapes (search.top_k); the
+    baselines are searched the same way.
     """
     model = get_config(model)
     optimizer = dataclasses.replace(optimizer, shard_over_data=shard_optimizer)  # the plan records it
@@ -115,7 +118,7 @@ def plan_cluster(
     search_kwargs = dict(
         schedule=schedule, exhaustive=exhaustive, profile=profile,
         micro_batches=micro_batches, recompute=recompute, options=options, time_limit_s=time_limit_s,
-        virtual_stages=virtual_stages,
+        virtual_stages=virtual_stages, mixed_shapes=mixed_shapes,
     )
     candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, **search_kwargs)
     best = candidates[0]
@@ -136,6 +139,9 @@ def plan_cluster(
         lower_bound_s=stats.lower_bound_s,
         exhaustive=exhaustive,
     )
+    if stats.one_shape_time_s is not None:  # the best plan with one shape per type (the search's objective)
+        predicted["one_shape_step_time_s"] = stats.one_shape_time_s
+        predicted["two_shapes_faster_by"] = 1.0 - best.time_s / stats.one_shape_time_s
     if len(stats.schedule_times) > 1:  # --schedule auto: each schedule's best, the plan's first, then fastest first
         predicted["schedule_times_s"] = dict(sorted(stats.schedule_times.items(),
                                                     key=lambda kv: (kv[0] != best.label, kv[1])))

@@ -44,6 +44,7 @@ from h2jax.plan import RECOMPUTE_POLICIES, Optimizer
 from h2jax.planner import cost_model as cm
 from h2jax.planner import dual_search
 from h2jax.planner.memory_model import GIB
+from h2jax.planner.mixed_shapes import refine
 from h2jax.planner.profile import Profile
 from h2jax.planner.space import (  # noqa: F401  (re-exported: the planner's public names)
     Candidate, Context, Option, PlannerError, SearchStats, candidate_plan, divisors, make_context,
@@ -88,7 +89,7 @@ MAX_EXHAUSTIVE_SPLITS = 50_000_000
 MAX_EXHAUSTIVE_ARRAY = 20_000_000  # splits of one stage list (one int64 row of p entries each)
 
 
-def exhaustive_size(ctx: Context, micro_batches: Sequence[int]) -> tuple[int, int, int]:
+def exhaustive_size(ctx: Context, micro_batches: Sequence[int], two_shapes: bool = False) -> tuple[int, int, int]:
     """(layer splits the exhaustive search evaluates, most splits of one stage list, the bytes
     of that stage list's split array), counted
     without enumerating: stage lists by their number of types j and stages p (a product of
@@ -98,10 +99,10 @@ def exhaustive_size(ctx: Context, micro_batches: Sequence[int]) -> tuple[int, in
     for b in micro_batches:
         lists = np.zeros((1, 1), dtype=object)  # lists[j, p]: sets of j types' options with p stages
         lists[0, 0] = 1
-        for opts in ctx.type_options(b, prune_unfit=False):
-            per = np.zeros(max((o.stages for o in opts), default=0) + 1, dtype=object)
-            for o in opts:
-                per[o.stages] += 1
+        for blocks in ctx.type_blocks(b, two_shapes):
+            per = np.zeros(max((sum(o.stages for o in blk) for blk in blocks), default=0) + 1, dtype=object)
+            for blk in blocks:
+                per[sum(o.stages for o in blk)] += 1
             grown = np.zeros((lists.shape[0] + 1, lists.shape[1] + len(per) - 1), dtype=object)
             grown[:-1, : lists.shape[1]] += lists  # the type not used
             for k in range(1, len(per)):
@@ -117,9 +118,9 @@ def exhaustive_size(ctx: Context, micro_batches: Sequence[int]) -> tuple[int, in
     return total, largest, nbytes
 
 
-def check_exhaustive_size(ctx: Context, micro_batches: Sequence[int]) -> None:
+def check_exhaustive_size(ctx: Context, micro_batches: Sequence[int], two_shapes: bool = False) -> None:
     """Refuse --exhaustive up front, with its size, where it could not finish."""
-    total, largest, nbytes = exhaustive_size(ctx, micro_batches)
+    total, largest, nbytes = exhaustive_size(ctx, micro_batches, two_shapes)
     if total > MAX_EXHAUSTIVE_SPLITS or largest > MAX_EXHAUSTIVE_ARRAY:
         raise PlannerError(
             f"--exhaustive would evaluate {total:.3g} layer splits ({ctx.model.n_layers} layers; one stage list alone "
@@ -132,8 +133,11 @@ def check_exhaustive_size(ctx: Context, micro_batches: Sequence[int]) -> None:
 EXHAUSTIVE_CHUNK = 1 << 21  # (stage list, split, stage) entries evaluated in one batch
 
 
-def _search_exhaustive(ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats) -> list[Candidate]:
-    """Every stage list and every layer split, no bounds, no pruning: the reference.
+def _search_exhaustive(
+    ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats, two_shapes: bool = False
+) -> list[Candidate]:
+    """Every stage list and every layer split, no bounds, no pruning: the reference. With
+    `two_shapes`, a chip type's stages may also take two shapes (two adjacent blocks).
 
     Memory is checked with the memory model's fit test on each split (not its layer caps), and
     each split's time is evaluated from the stage terms with the schedule's closed form,
@@ -142,17 +146,17 @@ def _search_exhaustive(ctx: Context, micro_batches: Sequence[int], k: int, stats
     L, top = ctx.model.n_layers, TopK(k)
     for b in micro_batches:
         m = ctx.global_batch // b
-        per_type = ctx.type_options(b, prune_unfit=False)
+        per_type = ctx.type_blocks(b, two_shapes)
         rows = _StageRows(ctx, b, m)
         batches: dict[int, list] = {}  # stages -> stage lists waiting to be evaluated
-        for combo in itertools.product(*[[None, *opts] for opts in per_type]):
-            picked = [o for o in combo if o is not None]
-            p = sum(o.stages for o in picked)
+        for combo in itertools.product(*[[None, *blocks] for blocks in per_type]):
+            picked = [blk for blk in combo if blk is not None]
+            p = sum(o.stages for blk in picked for o in blk)
             if not picked or p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
                 continue
             waiting = batches.setdefault(p, [])
-            for chosen in itertools.permutations(picked):  # every pipeline order of the types
-                waiting.append(chosen)
+            for order in itertools.permutations(picked):  # every pipeline order of the types
+                waiting.append(tuple(o for blk in order for o in blk))
             if len(waiting) * len(_compositions(L, p)) * p >= EXHAUSTIVE_CHUNK:
                 _exhaustive_lists(ctx, b, m, p, batches.pop(p), rows, top, k, stats)
         for p, waiting in batches.items():
@@ -230,6 +234,7 @@ def top_k(
     options: cm.CostOptions = cm.CostOptions(),
     time_limit_s: float | None = None,
     virtual_stages: int | None = None,
+    mixed_shapes: bool = False,
 ) -> tuple[list[Candidate], SearchStats]:
     """The k fastest stage lists (each with its best layer split), fastest first.
 
@@ -239,6 +244,11 @@ def top_k(
     schedule (and, for interleaved 1F1B, each v in VIRTUAL_STAGES unless `virtual_stages`
     names one) and returns the fastest plans over all of them; `stats.schedule_times` holds
     each one's best time; a time limit bounds the whole search, shared among them.
+
+    `mixed_shapes` lets a chip type's stages take two shapes: the fast search refines its
+    best plan by a local search (mixed_shapes.refine; `stats.one_shape_time_s` keeps the
+    best plan with one shape per type, which is what `proved_optimal` speaks of) and the
+    exhaustive reference enumerates every two-shape stage list.
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
@@ -251,7 +261,7 @@ def top_k(
         runs = list(dict.fromkeys(runs))
     if len(runs) == 1:
         return _top_k_one(cluster, model, seq_len, global_batch, k, *runs[0], exhaustive, profile,
-                          micro_batches, recompute, options, time_limit_s)
+                          micro_batches, recompute, options, time_limit_s, mixed_shapes)
     found: list[Candidate] = []
     stats = SearchStats(lower_bound_s=math.inf)
     errors: list[PlannerError] = []
@@ -262,7 +272,7 @@ def top_k(
         left = None if end is None else max(1e-3, (end - time.perf_counter()) / (len(runs) - idx))
         try:
             cands, st = _top_k_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
-                                   micro_batches, recompute, options, left)
+                                   micro_batches, recompute, options, left, mixed_shapes)
         except PlannerError as e:
             errors.append(e)
             continue
@@ -272,6 +282,8 @@ def top_k(
             setattr(stats, f, getattr(stats, f) + getattr(st, f))
         stats.proved_optimal &= st.proved_optimal
         stats.lower_bound_s = min(stats.lower_bound_s, st.lower_bound_s)
+        if st.one_shape_time_s is not None:
+            stats.one_shape_time_s = min(st.one_shape_time_s, stats.one_shape_time_s or math.inf)
     if not found:
         raise errors[0]
     found.sort(key=lambda c: c.time_s)
@@ -309,20 +321,25 @@ def _zb_h1_confirmed(found: list[Candidate], cluster, model, seq_len, global_bat
 
 def _top_k_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
-    options, time_limit_s,
+    options, time_limit_s, mixed_shapes=False,
 ) -> tuple[list[Candidate], SearchStats]:
     ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
     mbs = micro_batches_of(global_batch, micro_batches)
     stats = SearchStats()
     t0 = time.perf_counter()
     if exhaustive:
-        check_exhaustive_size(ctx, mbs)
-        found = _search_exhaustive(ctx, mbs, k, stats)
+        check_exhaustive_size(ctx, mbs, mixed_shapes)
+        found = _search_exhaustive(ctx, mbs, k, stats, mixed_shapes)
         if found:
             stats.lower_bound_s = found[0].time_s
     else:
         deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
         found = _search_dual(ctx, mbs, k, stats, deadline)
+        if mixed_shapes and found:
+            stats.one_shape_time_s = found[0].time_s
+            better = refine(ctx, found[0], mbs, stats, deadline)
+            if better is not found[0]:
+                found = [better] + [c for c in found if c.options != better.options or c.micro_batch != better.micro_batch][: k - 1]
     stats.search_time_s = time.perf_counter() - t0
     if not found and not stats.proved_optimal:
         raise PlannerError(

@@ -107,6 +107,9 @@ class SearchStats:
     # --schedule auto, where ZB-H1 was fastest under the cost model: the simulated step of it
     # and of the next schedule's best (label -> seconds); the faster is the plan
     auto_simulated: dict = dataclasses.field(default_factory=dict)
+    # mixed_shapes: the best plan with one shape per chip type (the space proved_optimal speaks
+    # of), before the two-shape local search (mixed_shapes.refine); None when not searched
+    one_shape_time_s: float | None = None
 
 
 # ----------------------------------------------------------------------------- the space
@@ -234,6 +237,22 @@ class Context:
                 out.append(opts)
             self._options[key] = out
         return [list(opts) for opts in self._options[key]]
+
+    def type_blocks(self, b: int, two_shapes: bool) -> list[list[tuple[Option, ...]]]:
+        """Per chip type (pipeline order), what it may run at micro-batch b: one option, or
+        with `two_shapes` also two options of different shapes, front then back, within the
+        type's chips (the exhaustive reference's space; shapes not pruned)."""
+        out = []
+        for name, opts in zip(self.order, self.type_options(b, prune_unfit=False)):
+            blocks: list[tuple[Option, ...]] = [(o,) for o in opts]
+            if two_shapes:
+                blocks += [
+                    (f, k) for f in opts for k in opts
+                    if (f.data, f.tensor, f.recompute) != (k.data, k.tensor, k.recompute)
+                    and f.chips + k.chips <= self.counts[name] and f.stages + k.stages <= self.model.n_layers
+                ]
+            out.append(blocks)
+        return out
 
     def type_shapes(self, b: int, prune_unfit: bool) -> list[list[Option]]:
         """Per chip type, one option per shape (D, T, r) with its most stages, min(L, chips // D*T):

@@ -1,0 +1,177 @@
+"""Two shapes per chip type: a local search from the exact search's best plan (`refine`).
+
+The exact search gives every stage of one chip type one shape (mesh and recompute policy).
+A type's stages can do better on two: under 1F1B a stage nearer the front keeps more
+micro-batches in flight, so the front of a type's block may need a larger tensor size (more
+memory per chip) than its back, and chips a shape leaves over may hold a smaller stage. From
+the best plan with one shape per type, `refine` walks stage lists one move away (`moves`),
+each type's stages in at most two adjacent blocks and each new block on a shape no other
+shape of its chip beats on every count (`undominated`), solves each list's layer split exactly
+(`split.solve`, which skips a list its bounds show cannot win) and moves to the best until
+no move improves it. The result is at least as fast as the one-shape optimum, and no faster
+list lies one move away; it is not proved optimal among two-shape plans (`--exhaustive`
+enumerates those on small clusters: docs/planner.md, "Two shapes per chip type").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from h2jax.planner.space import Candidate, Context, Option, SearchStats
+from h2jax.planner.split import TopK, solve
+
+MAX_BLOCKS_PER_TYPE = 2
+
+
+def shape(o: Option) -> tuple[int, int, str]:
+    return (o.data, o.tensor, o.recompute)
+
+
+def merged(options: Sequence[Option]) -> tuple[Option, ...]:
+    """Adjacent blocks of one chip type and shape as one block."""
+    out: list[Option] = []
+    for o in options:
+        if out and out[-1].chip == o.chip and shape(out[-1]) == shape(o):
+            out[-1] = dataclasses.replace(out[-1], stages=out[-1].stages + o.stages)
+        else:
+            out.append(o)
+    return tuple(out)
+
+
+def in_space(options: Sequence[Option], counts: Mapping[str, int]) -> bool:
+    """Every type's blocks adjacent, at most MAX_BLOCKS_PER_TYPE of them, within its chips."""
+    seen: list[str] = []
+    for o in options:
+        if o.chip in seen and seen[-1] != o.chip:
+            return False
+        seen.append(o.chip)
+    return all(
+        seen.count(name) <= MAX_BLOCKS_PER_TYPE
+        and sum(o.chips for o in options if o.chip == name) <= counts[name]
+        for name in set(seen)
+    )
+
+
+def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
+          counts: Mapping[str, int], n_layers: int,
+          hopeless: Callable[[float, float], bool] = lambda speed, fill: False) -> Iterator[tuple[Option, ...]]:
+    """Stage lists one move from `options` (`in_space` may still reject some): a block one
+    stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
+    their mesh with their recompute policy or another) given to k stages of another shape of
+    its chip, or of a neighbouring block's chip, placed next to the kept ones or to that
+    neighbour (the chips permitting, at most `n_layers` stages). A split is not made when
+    `hopeless(speed, fill)` says so of its stages' summed `Option.speed` and per-layer fill
+    (what `split.solve` checks first)."""
+    used: dict[str, int] = {}
+    blocks: dict[str, int] = {}
+    for o in options:
+        used[o.chip] = used.get(o.chip, 0) + o.chips
+        blocks[o.chip] = blocks.get(o.chip, 0) + 1
+    speed, fill, p = (sum(f(o) for o in options) for f in (lambda o: o.speed, lambda o: o.stages * o.fill,
+                                                              lambda o: o.stages))
+    for i, o in enumerate(options):
+        head, tail = options[:i], options[i + 1:]
+        per_stage = o.data * o.tensor
+        rest_speed, rest_fill, rest_p = speed - o.speed, fill - o.stages * o.fill, p - o.stages
+        if o.stages > 1:
+            yield head + (dataclasses.replace(o, stages=o.stages - 1),) + tail
+        if per_stage <= counts[o.chip] - used[o.chip]:
+            yield head + (dataclasses.replace(o, stages=o.stages + 1),) + tail
+        if len(options) > 1:
+            yield head + tail
+        # the chips a new block may come from: this block's, then its neighbours' (beside them)
+        sources = [(o.chip, 0)] + [(options[j].chip, j - i) for j in (i - 1, i + 1)
+                                   if 0 <= j < len(options) and options[j].chip != o.chip]
+        for chip, side in sources:
+            if blocks[chip] >= MAX_BLOCKS_PER_TYPE and side:
+                continue
+            for keep in range(o.stages + 1):
+                if chip == o.chip and keep and blocks[chip] >= MAX_BLOCKS_PER_TYPE:
+                    break  # a third block of the type
+                room = counts[chip] - used[chip] + (o.stages - keep) * per_stage * (chip == o.chip)
+                # the kept stages on their own mesh, with their recompute policy or another
+                for r in ([o] + [s for s in shapes.get(o.chip, ()) if s.data == o.data and s.tensor == o.tensor
+                                 and s.recompute != o.recompute]) if keep else [o]:
+                    kept = (dataclasses.replace(r, stages=keep),) if keep else ()
+                    kept_speed, kept_fill = rest_speed + keep / r.layer_s, rest_fill + keep * r.fill
+                    for s in shapes.get(chip, ()):
+                        if chip == o.chip and shape(s) in (shape(o), shape(r)):
+                            continue
+                        for k in range(1, min(room // (s.data * s.tensor), n_layers - rest_p - keep) + 1):
+                            if hopeless(kept_speed + k / s.layer_s, kept_fill + k * s.fill):
+                                continue
+                            extra = (dataclasses.replace(s, stages=k),)
+                            if side >= 0:
+                                yield head + kept + extra + tail
+                            if side <= 0 and kept:
+                                yield head + extra + kept + tail
+
+
+def undominated(shapes: Sequence[Option], m: int) -> list[Option]:
+    """The shapes of one chip type no other beats on every count the local search weighs:
+    as few chips per stage or fewer, a per-layer time, fill and tail no larger, and at every
+    number of micro-batches in flight (1 to m) as many layers held or more. (Sends, which
+    depend on the neighbours, are not weighed: the search is local, not exact.)"""
+    in_flight = np.arange(1, m + 1)
+    caps = [np.asarray(s.max_layers(in_flight)) for s in shapes]
+    keys = [(s.data * s.tensor, s.layer_s, s.fill, s.tail1) for s in shapes]
+
+    def beats(i: int, j: int) -> bool:
+        return (all(a <= b for a, b in zip(keys[i], keys[j])) and bool((caps[i] >= caps[j]).all())
+                and (keys[i] != keys[j] or bool((caps[i] > caps[j]).any()) or i < j))
+
+    return [s for j, s in enumerate(shapes) if not any(beats(i, j) for i in range(len(shapes)) if i != j)]
+
+
+def refine(ctx: Context, best: Candidate, micro_batches: Sequence[int], stats: SearchStats,
+           deadline: float = float("inf")) -> Candidate:
+    """The best plan reached from `best` by improving moves: `moves` at its micro-batch size,
+    or its stage list at another of `micro_batches` (each shape's data size dividing it);
+    `best` itself when no move improves it. Stops at `deadline` (perf_counter seconds) with the
+    best found so far."""
+    L = ctx.model.n_layers
+    every: dict[int, dict[str, list[Option]]] = {}  # micro-batch size -> chip -> its shapes
+    shapes: dict[int, dict[str, list[Option]]] = {}  # those a move may take (`undominated`)
+    for b in micro_batches:
+        every[b] = {opts[0].chip: opts for opts in ctx.type_shapes(b, prune_unfit=True) if opts}
+        shapes[b] = {chip: undominated(opts, ctx.global_batch // b) for chip, opts in every[b].items()}
+    top = TopK(1)
+    top.push(best)
+    seen: set = set()
+    current = (best.micro_batch, merged(best.options))
+    while True:
+        b, options = current
+        weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
+        tried = itertools.chain(
+            ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, every[b2])] if x),
+            ((b, x) for x in moves(options, shapes[b], ctx.counts, L,
+                                   lambda speed, fill: weight * L / speed + fill >= top.bound)))
+        for n, (b2, x) in enumerate(tried):
+            if n % 256 == 0 and time.perf_counter() > deadline:
+                return top.sorted()[0]
+            x = merged(x)
+            if not x or (b2, x) in seen or not in_space(x, ctx.counts):
+                continue
+            seen.add((b2, x))
+            solve(ctx, b2, x, top, stats)
+        found = top.sorted()[0]
+        if (found.micro_batch, merged(found.options)) == current:
+            return found
+        current = (found.micro_batch, merged(found.options))
+
+
+def at_micro_batch(options: Sequence[Option], shapes: Mapping[str, Sequence[Option]]) -> tuple[Option, ...] | None:
+    """The same stage list at another micro-batch size (its shapes' options there), or None
+    where a shape has none (its data size does not divide it, or it holds no layer)."""
+    out = []
+    for o in options:
+        same = next((s for s in shapes.get(o.chip, ()) if shape(s) == shape(o)), None)
+        if same is None:
+            return None
+        out.append(dataclasses.replace(same, stages=o.stages))
+    return tuple(out)

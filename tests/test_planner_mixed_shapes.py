@@ -1,0 +1,182 @@
+"""Two shapes per chip type: the local search (planner/mixed_shapes.py) against the exhaustive
+enumeration of every two-shape stage list, and what `plan_cluster` and `h2jax plan` report."""
+
+import dataclasses
+import itertools
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from h2jax.cli import main as cli_main
+from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_cluster
+from h2jax.planner import plan_cluster
+from h2jax.planner.cost_model import CostOptions
+from h2jax.planner.mixed_shapes import in_space, merged, moves, shape
+from h2jax.planner.search import exhaustive_size, top_k
+from h2jax.planner.space import PlannerError, divisors, make_context
+
+REPO = Path(__file__).resolve().parent.parent
+C64 = REPO / "plans" / "cluster-64.toml"
+EMU2 = REPO / "plans" / "cluster-emu-2type.toml"
+
+
+def chip(name, memory_gib, tflops, per_node=2, inter=2.0, intra=50.0, compute="float32"):
+    return ChipType(name, "cpu", memory_gib, tflops, per_node, intra, inter, "test",
+                    precision=Precision("float32", compute))
+
+
+def small_cluster(rng: random.Random) -> Cluster:
+    groups = []
+    for i in range(rng.choice([1, 2])):
+        groups.append(ChipGroup(chip(f"chip{i}", rng.choice([0.004, 0.008, 0.016]), rng.choice([0.1, 0.3, 1.0, 2.5]),
+                                     rng.choice([2, 4]), rng.choice([0.5, 2.0, 10.0]), rng.choice([5.0, 50.0]),
+                                     rng.choice(["float32", "bfloat16"])), rng.randint(2, 8)))
+    return Cluster(tuple(groups), name="random")
+
+
+def layout(cand):
+    return [(o.chip, o.stages, o.data, o.tensor, o.recompute) for o in cand.options]
+
+
+# Cases where the two-shape optimum (exhaustive) beats the one-shape one, each reached by a
+# different kind of move: a block split in two shapes; a neighbour's block replaced by a second
+# shape of this type; the list moved to another micro-batch size, then split; the kept stages
+# on another recompute policy beside a new block.
+CASES = {
+    "recompute": (Cluster((ChipGroup(chip("chip0", 0.004, 2.5, per_node=4, intra=5.0, compute="bfloat16"), 12),)),
+                  128, 8, "1f1b"),
+    "split": (Cluster((ChipGroup(chip("chip0", 0.004, 2.5), 7), ChipGroup(chip("chip1", 0.016, 1.0), 4))), 128, 4, "1f1b"),
+    "neighbour": (Cluster((ChipGroup(chip("chip0", 0.004, 1.0, compute="bfloat16"), 12),
+                           ChipGroup(chip("chip1", 0.008, 1.0, inter=0.5, intra=5.0), 7))), 128, 8, "gpipe"),
+    "micro-batch": (Cluster((ChipGroup(chip("chip0", 0.004, 0.1, per_node=4, inter=0.5, compute="bfloat16"), 7),)),
+                    128, 4, "1f1b"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_shapes_reach_the_exhaustive_two_shape_optimum(case):
+    cluster, seq, batch, schedule = CASES[case]
+    kw = dict(schedule=schedule)
+    (one,), one_stats = top_k(cluster, "tiny", seq, batch, **kw)
+    (one_full,), _ = top_k(cluster, "tiny", seq, batch, exhaustive=True, **kw)
+    (two_full,), _ = top_k(cluster, "tiny", seq, batch, exhaustive=True, mixed_shapes=True, **kw)
+    (two,), stats = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, **kw)
+    assert math.isclose(one.time_s, one_full.time_s, rel_tol=1e-9)
+    assert two_full.time_s < one_full.time_s * (1 - 1e-3), "the case must need two shapes"
+    assert math.isclose(two.time_s, two_full.time_s, rel_tol=1e-9), (layout(two), layout(two_full))
+    assert stats.one_shape_time_s == pytest.approx(one.time_s, rel=1e-12)
+    chips = [o.chip for o in two.options]
+    assert any(chips.count(c) == 2 for c in chips), layout(two)  # one type on two shapes
+    assert in_space(two.options, cluster.counts)
+
+
+def test_the_local_search_stays_between_the_one_and_two_shape_optima():
+    """Seeded random small clusters: one-shape optimum >= the local search's plan >= the
+    exhaustive two-shape optimum, and the two-shape exhaustive never loses to one shape."""
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(20):
+        cluster = small_cluster(rng)
+        seq, batch, schedule = rng.choice([32, 128]), rng.choice([2, 4]), rng.choice(["1f1b", "gpipe"])
+        try:
+            (one,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, exhaustive=True)
+        except PlannerError:
+            continue
+        (two,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+        (two_full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
+        assert two_full.time_s <= two.time_s * (1 + 1e-9) <= one.time_s * (1 + 2e-9), (layout(two), layout(two_full))
+        assert in_space(two.options, cluster.counts)
+        checked += 1
+    assert checked >= 12
+
+
+def test_the_space_keeps_a_types_blocks_adjacent_few_and_within_its_chips():
+    ctx = make_context(load_cluster(C64), "llama-100b", 4096, 2048)
+    first, second = (sorted((o for o in opts if o.stages == 1), key=lambda o: o.chips)
+                     for opts in ctx.type_options(32, prune_unfit=True))
+    counts = ctx.counts
+    x, y, z = first[:3]
+    assert len({shape(x), shape(y), shape(z)}) == 3
+    assert in_space((x, second[0]), counts)
+    assert in_space((x, y, second[0]), counts)
+    assert not in_space((x, second[0], y), counts)  # a type's blocks not adjacent
+    assert not in_space((x, y, z), counts)  # three blocks of one type
+    big = max(ctx.type_options(32, prune_unfit=True)[0], key=lambda o: o.chips)
+    assert big.chips <= counts[big.chip] and not in_space((big, x), counts)  # over its chips
+    assert merged((x, x, second[0])) == (dataclasses.replace(x, stages=2), second[0])
+
+
+def test_moves_are_one_step_and_reach_every_split_of_a_block():
+    """From one block of k stages: every list keeping j of them (0..k) beside m stages of another
+    shape of its chip is a move (chips permitting), and every move stays one block's change."""
+    ctx = make_context(load_cluster(C64), "llama-100b", 4096, 2048)
+    (best,), _ = top_k(load_cluster(C64), "llama-100b", 4096, 2048)
+    shapes = {}
+    for opts in ctx.type_shapes(best.micro_batch, prune_unfit=True):
+        for o in opts:
+            shapes.setdefault(o.chip, []).append(o)
+    start = merged(best.options)
+    found = {merged(x) for x in moves(start, shapes, ctx.counts, ctx.model.n_layers)}
+    assert start not in found
+    a = start[0]  # the first block
+    other = next(s for s in shapes[a.chip] if shape(s) != shape(a))
+    room = ctx.counts[a.chip] - a.chips
+    for keep in range(a.stages + 1):
+        for k in range(1, (room + (a.stages - keep) * a.data * a.tensor) // (other.data * other.tensor) + 1):
+            kept = (dataclasses.replace(a, stages=keep),) if keep else ()
+            extra = (dataclasses.replace(other, stages=k),)
+            assert merged(kept + extra + start[1:]) in found
+            assert merged(extra + kept + start[1:]) in found
+    def per_chip(options):
+        out = {}
+        for o in options:
+            out.setdefault(o.chip, []).append((shape(o), o.stages))
+        return out
+
+    before = per_chip(start)
+    for x in found:  # a move changes one block and at most one neighbouring type
+        after = per_chip(x)
+        assert sum(before.get(c) != after.get(c) for c in set(before) | set(after)) <= 2
+
+
+def test_the_exhaustive_size_counts_two_shape_lists():
+    ctx = make_context(load_cluster(EMU2), "tiny", 16, 8, "1f1b", None, CostOptions(), ("none", "selective", "full"), 1)
+    mbs = divisors(8)
+    brute = 0
+    for b in mbs:
+        for combo in itertools.product(*[[None, *blocks] for blocks in ctx.type_blocks(b, True)]):
+            picked = [blk for blk in combo if blk is not None]
+            p = sum(o.stages for blk in picked for o in blk)
+            if 1 <= p <= ctx.model.n_layers:
+                brute += math.factorial(len(picked)) * math.comb(ctx.model.n_layers - 1, p - 1)
+    total, _, _ = exhaustive_size(ctx, mbs, two_shapes=True)
+    assert total == brute > exhaustive_size(ctx, mbs)[0]
+
+
+def test_plan_cluster_reports_the_one_shape_optimum_and_the_two_shape_gain(capsys):
+    cluster = load_cluster(C64)
+    args = (cluster, "llama-100b", 4096, 2048)
+    one = plan_cluster(*args, baselines=False, mixed_shapes=False)
+    two = plan_cluster(*args, baselines=False)
+    assert "one_shape_step_time_s" not in one.plan.predicted
+    pred = two.plan.predicted
+    assert pred["one_shape_step_time_s"] == pytest.approx(one.plan.predicted["step_time_s"], rel=1e-9)
+    assert pred["two_shapes_faster_by"] == pytest.approx(1 - pred["step_time_s"] / pred["one_shape_step_time_s"])
+    assert pred["two_shapes_faster_by"] > 1e-3  # cluster-64: the A100s' front stages take tensor 8, the rest 4
+    meshes = {}
+    for s in two.plan.stages:
+        meshes.setdefault(s.chip, set()).add((s.mesh.data, s.mesh.tensor, s.recompute))
+    assert max(len(v) for v in meshes.values()) == 2
+    for name, count in cluster.counts.items():
+        assert sum(s.mesh.data * s.mesh.tensor for s in two.plan.stages if s.chip == name) <= count
+    rc = cli_main(["plan", "--cluster", str(C64), "--model", "llama-100b", "--seq-len", "4096",
+                   "--global-batch-tokens", str(8 * 2**20), "--schedule", "1f1b", "--no-baselines"])
+    out = capsys.readouterr().out
+    assert rc in (0, None) and "among plans with one shape per chip type" in out and "faster" in out
+    rc = cli_main(["plan", "--cluster", str(C64), "--model", "llama-100b", "--seq-len", "4096",
+                   "--global-batch-tokens", str(8 * 2**20), "--schedule", "1f1b", "--no-baselines",
+                   "--one-shape-per-type"])
+    out = capsys.readouterr().out
+    assert rc in (0, None) and "one shape per chip type" not in out
