@@ -231,7 +231,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, help="per shipped cluster search (s)")
     parser.add_argument("--repeat", type=int, default=3, help="searches per shipped cluster (min and median)")
     parser.add_argument("--cases", type=int, default=30, help="random small clusters")
-    parser.add_argument("--two-shape-cases", type=int, default=40,
+    parser.add_argument("--two-shape-cases", type=int, default=150,
                         help="random tiny clusters on which the two-shape local search meets the exhaustive")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")

@@ -13,9 +13,9 @@ from h2jax.cli import main as cli_main
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_cluster
 from h2jax.planner import plan_cluster
 from h2jax.planner.cost_model import CostOptions
-from h2jax.planner.mixed_shapes import in_space, merged, moves, shape
+from h2jax.planner.mixed_shapes import in_space, merged, moves, refine, shape
 from h2jax.planner.search import exhaustive_size, top_k
-from h2jax.planner.space import PlannerError, divisors, make_context
+from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
 
 REPO = Path(__file__).resolve().parent.parent
 C64 = REPO / "plans" / "cluster-64.toml"
@@ -66,6 +66,10 @@ def test_two_shapes_reach_the_exhaustive_two_shape_optimum(case):
     assert math.isclose(one.time_s, one_full.time_s, rel_tol=1e-9)
     assert two_full.time_s < one_full.time_s * (1 - 1e-3), "the case must need two shapes"
     assert math.isclose(two.time_s, two_full.time_s, rel_tol=1e-9), (layout(two), layout(two_full))
+    # the case's kind of move is needed: climbing from the best one-shape list alone reaches it
+    ctx = make_context(cluster, "tiny", seq, batch, schedule)
+    alone = refine(ctx, [one], divisors(batch), SearchStats())
+    assert math.isclose(alone.time_s, two_full.time_s, rel_tol=1e-9), (layout(alone), layout(two_full))
     assert stats.one_shape_time_s == pytest.approx(one.time_s, rel=1e-12)
     chips = [o.chip for o in two.options]
     assert any(chips.count(c) == 2 for c in chips), layout(two)  # one type on two shapes
@@ -180,3 +184,16 @@ def test_plan_cluster_reports_the_one_shape_optimum_and_the_two_shape_gain(capsy
                    "--one-shape-per-type"])
     out = capsys.readouterr().out
     assert rc in (0, None) and "one shape per chip type" not in out
+
+
+def test_the_local_search_climbs_from_the_best_few_one_shape_lists():
+    """A case whose two-shape optimum lies beyond the best one-shape list's local optimum but
+    within reach of the next ones' (search.REFINE_STARTS)."""
+    cluster = Cluster((ChipGroup(chip("chip0", 0.004, 1.0, intra=5.0, inter=10.0), 6),))
+    (one,), _ = top_k(cluster, "tiny", 128, 4, schedule="gpipe")
+    (two,), _ = top_k(cluster, "tiny", 128, 4, schedule="gpipe", mixed_shapes=True)
+    (two_full,), _ = top_k(cluster, "tiny", 128, 4, schedule="gpipe", mixed_shapes=True, exhaustive=True)
+    ctx = make_context(cluster, "tiny", 128, 4, "gpipe")
+    alone = refine(ctx, [one], divisors(4), SearchStats())
+    assert alone.time_s > two_full.time_s * 1.01  # stuck from the best one-shape list alone
+    assert math.isclose(two.time_s, two_full.time_s, rel_tol=1e-9), (layout(two), layout(two_full))

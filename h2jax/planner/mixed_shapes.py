@@ -1,16 +1,16 @@
-"""Two shapes per chip type: a local search from the exact search's best plan (`refine`).
+"""Two shapes per chip type: a local search from the exact search's best plans (`refine`).
 
 The exact search gives every stage of one chip type one shape (mesh and recompute policy).
 A type's stages can do better on two: under 1F1B a stage nearer the front keeps more
 micro-batches in flight, so the front of a type's block may need a larger tensor size (more
 memory per chip) than its back, and chips a shape leaves over may hold a smaller stage. From
-the best plan with one shape per type, `refine` walks stage lists one move away (`moves`),
+each of the best plans with one shape per type, `refine` walks stage lists one move away (`moves`),
 each type's stages in at most two adjacent blocks and each new block on a shape no other
 shape of its chip beats on every count (`undominated`), solves each list's layer split exactly
 (`split.solve`, which skips a list its bounds show cannot win) and moves to the best until
-no move improves it. The result is at least as fast as the one-shape optimum, and no faster
-list lies one move away; it is not proved optimal among two-shape plans (`--exhaustive`
-enumerates those on small clusters: docs/planner.md, "Two shapes per chip type").
+no move improves it (`climb`). The result is at least as fast as the one-shape optimum; it
+is not proved optimal among two-shape plans (`--exhaustive` enumerates those on small
+clusters: docs/planner.md, "Two shapes per chip type").
 """
 
 from __future__ import annotations
@@ -128,12 +128,12 @@ def undominated(shapes: Sequence[Option], m: int) -> list[Option]:
     return [s for j, s in enumerate(shapes) if not any(beats(i, j) for i in range(len(shapes)) if i != j)]
 
 
-def refine(ctx: Context, best: Candidate, micro_batches: Sequence[int], stats: SearchStats,
+def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[int], stats: SearchStats,
            deadline: float = float("inf")) -> Candidate:
-    """The best plan reached from `best` by improving moves: `moves` at its micro-batch size,
-    or its stage list at another of `micro_batches` (each shape's data size dividing it);
-    `best` itself when no move improves it. Stops at `deadline` (perf_counter seconds) with the
-    best found so far."""
+    """The best plan reached from each of `starts` in turn by improving moves: `moves` at its
+    micro-batch size, or its stage list at another of `micro_batches` (each shape's data size
+    dividing it); the best start itself when no move improves on it. Lists solved once are not
+    solved again. Stops at `deadline` (perf_counter seconds) with the best found so far."""
     L = ctx.model.n_layers
     every: dict[int, dict[str, list[Option]]] = {}  # micro-batch size -> chip -> its shapes
     shapes: dict[int, dict[str, list[Option]]] = {}  # those a move may take (`undominated`)
@@ -141,9 +141,22 @@ def refine(ctx: Context, best: Candidate, micro_batches: Sequence[int], stats: S
         every[b] = {opts[0].chip: opts for opts in ctx.type_shapes(b, prune_unfit=True) if opts}
         shapes[b] = {chip: undominated(opts, ctx.global_batch // b) for chip, opts in every[b].items()}
     top = TopK(1)
-    top.push(best)
+    for c in starts:
+        top.push(c)
     seen: set = set()
-    current = (best.micro_batch, merged(best.options))
+    for start in starts:
+        if time.perf_counter() > deadline:
+            break
+        climb(ctx, start, every, shapes, micro_batches, top, seen, stats, deadline)
+    return top.sorted()[0]
+
+
+def climb(ctx: Context, start: Candidate, every, shapes, micro_batches: Sequence[int], top: TopK, seen: set,
+          stats: SearchStats, deadline: float) -> None:
+    """Hill-climbing from `start`: each round solves every list one move from the current one
+    (not seen before) into `top`, and moves to the best of them while that improves."""
+    L = ctx.model.n_layers
+    current = (start.micro_batch, merged(start.options))
     while True:
         b, options = current
         weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
@@ -151,17 +164,18 @@ def refine(ctx: Context, best: Candidate, micro_batches: Sequence[int], stats: S
             ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, every[b2])] if x),
             ((b, x) for x in moves(options, shapes[b], ctx.counts, L,
                                    lambda speed, fill: weight * L / speed + fill >= top.bound)))
+        best = top.bound
         for n, (b2, x) in enumerate(tried):
             if n % 256 == 0 and time.perf_counter() > deadline:
-                return top.sorted()[0]
+                return
             x = merged(x)
             if not x or (b2, x) in seen or not in_space(x, ctx.counts):
                 continue
             seen.add((b2, x))
             solve(ctx, b2, x, top, stats)
+        if top.bound >= best:
+            return
         found = top.sorted()[0]
-        if (found.micro_batch, merged(found.options)) == current:
-            return found
         current = (found.micro_batch, merged(found.options))
 
 
