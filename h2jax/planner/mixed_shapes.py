@@ -112,12 +112,13 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                                 yield head + extra + kept + tail
 
 
-def undominated(shapes: Sequence[Option], m: int) -> list[Option]:
+def undominated(shapes: Sequence[Option], m: int, n_layers: int) -> list[Option]:
     """The shapes of one chip type no other beats on every count the local search weighs:
-    as few chips per stage or fewer, a per-layer time, fill and tail no larger, and at every
-    number of micro-batches in flight (1 to m) as many layers held or more. (Sends, which
-    depend on the neighbours, are not weighed: the search is local, not exact.)"""
-    in_flight = np.arange(1, m + 1)
+    as few chips per stage or fewer, a per-layer time, fill and tail no larger, and as many
+    layers held or more at every number of micro-batches in flight a stage may keep (1 to
+    min(m, 2 * n_layers), and m). (Sends, which depend on the neighbours, are not weighed: the
+    search is local, not exact.)"""
+    in_flight = np.unique(np.r_[np.arange(1, min(m, 2 * n_layers) + 1), m])
     caps = [np.asarray(s.max_layers(in_flight)) for s in shapes]
     keys = [(s.data * s.tensor, s.layer_s, s.fill, s.tail1) for s in shapes]
 
@@ -134,35 +135,49 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
     micro-batch size, or its stage list at another of `micro_batches` (each shape's data size
     dividing it); the best start itself when no move improves on it. Lists solved once are not
     solved again. Stops at `deadline` (perf_counter seconds) with the best found so far."""
-    L = ctx.model.n_layers
-    every: dict[int, dict[str, list[Option]]] = {}  # micro-batch size -> chip -> its shapes
-    shapes: dict[int, dict[str, list[Option]]] = {}  # those a move may take (`undominated`)
-    for b in micro_batches:
-        every[b] = {opts[0].chip: opts for opts in ctx.type_shapes(b, prune_unfit=True) if opts}
-        shapes[b] = {chip: undominated(opts, ctx.global_batch // b) for chip, opts in every[b].items()}
-    top = TopK(1)
+    shapes, top = Shapes(ctx), TopK(1)
     for c in starts:
         top.push(c)
     seen: set = set()
     for start in starts:
         if time.perf_counter() > deadline:
             break
-        climb(ctx, start, every, shapes, micro_batches, top, seen, stats, deadline)
+        climb(ctx, start, micro_batches, shapes, top, seen, stats, deadline)
     return top.sorted()[0]
 
 
-def climb(ctx: Context, start: Candidate, every, shapes, micro_batches: Sequence[int], top: TopK, seen: set,
+class Shapes:
+    """Per micro-batch size and chip, its shapes: every one that holds a layer (`every`), and
+    those a new block may take (`for_moves`: `undominated`); each made when first asked for."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx, self._every, self._moves = ctx, {}, {}
+
+    def every(self, b: int) -> dict[str, list[Option]]:
+        if b not in self._every:
+            self._every[b] = {opts[0].chip: opts for opts in self.ctx.type_shapes(b, prune_unfit=True) if opts}
+        return self._every[b]
+
+    def for_moves(self, b: int) -> dict[str, list[Option]]:
+        if b not in self._moves:
+            m, L = self.ctx.global_batch // b, self.ctx.model.n_layers
+            self._moves[b] = {chip: undominated(opts, m, L) for chip, opts in self.every(b).items()}
+        return self._moves[b]
+
+
+def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: Shapes, top: TopK, seen: set,
           stats: SearchStats, deadline: float) -> None:
     """Hill-climbing from `start`: each round solves every list one move from the current one
-    (not seen before) into `top`, and moves to the best of them while that improves."""
+    (not in `seen`) into `top`, and moves to `top`'s best while that improves on the best
+    before the round."""
     L = ctx.model.n_layers
     current = (start.micro_batch, merged(start.options))
     while True:
         b, options = current
         weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
         tried = itertools.chain(
-            ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, every[b2])] if x),
-            ((b, x) for x in moves(options, shapes[b], ctx.counts, L,
+            ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, shapes.every(b2))] if x),
+            ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L,
                                    lambda speed, fill: weight * L / speed + fill >= top.bound)))
         best = top.bound
         for n, (b2, x) in enumerate(tried):

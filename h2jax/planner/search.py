@@ -18,6 +18,10 @@ The space (the same for the search and `exhaustive=True`):
   flight), so a set of j types runs in j! orders;
 - a layer split: l_i >= 1 layers per stage, sum l_i = n_layers, every stage within memory.
 
+With `mixed_shapes` a type may also run two adjacent options of different shapes within its
+chips: `exhaustive=True` enumerates that space; the fast search proves the one-shape space
+and then searches the wider one locally (mixed_shapes.py).
+
 The exact layer split of one stage list (`best_split`): the objective is
 
     sum_i lin_i*l_i + C + sum_g w_g * max(floor_g, max_i(a_gi*l_i + o_gi))
@@ -246,9 +250,9 @@ def top_k(
     each one's best time; a time limit bounds the whole search, shared among them.
 
     `mixed_shapes` lets a chip type's stages take two shapes: the fast search refines its
-    best plan by a local search (mixed_shapes.refine; `stats.one_shape_time_s` keeps the
-    best plan with one shape per type, which is what `proved_optimal` speaks of) and the
-    exhaustive reference enumerates every two-shape stage list.
+    REFINE_STARTS best plans by a local search (mixed_shapes.refine; `stats.one_shape_time_s`
+    keeps the best plan with one shape per type, which is what `proved_optimal` speaks of) and
+    the exhaustive reference enumerates every two-shape stage list.
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
