@@ -265,3 +265,39 @@ def test_mpi_a_non_finite_loss_names_step_and_stage_once(two_stage_plan, token_f
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert out.count("step 3: the gradient norm is nan (it first appeared in stage 0 (cpu)'s forward output)") == 1, out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_dies_with_the_launcher_process_that_started_it():
+    """ranks.die_with_parent (armed by init_mpi): a rank whose parent -- the launcher's proxy
+    -- is killed goes with it instead of waiting on its dead peers forever."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         f"child = subprocess.Popen([sys.executable, {str(Path(__file__).parent / 'mpi_scripts' / 'orphan.py')!r}],"
+         " stdout=subprocess.PIPE, text=True)\n"
+         "assert child.stdout.readline().strip() == 'armed'\n"
+         "print(child.pid, flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, env=checkout_env(dict(os.environ)),
+    )
+    try:
+        child = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+        except FileNotFoundError:
+            return False
+
+    for _ in range(600):  # a hang detector, not a timing: the kernel signals at once
+        if not alive(child):
+            break
+        subprocess.run(["sleep", "0.1"])
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the child outlived its killed parent by a minute")

@@ -116,6 +116,7 @@ def init_mpi(timeout_s: float | None = None):
     idle machine, over a second on a loaded one): H2JAX_MPI_STARTUP_TIMEOUT below
     MIN_STARTUP_TIMEOUT_S is refused."""
     timeout_s = _startup_timeout(timeout_s)
+    die_with_parent()
     mpi = _load_mpi_library()
     if mpi.Is_initialized():
         return mpi.COMM_WORLD
@@ -126,6 +127,27 @@ def init_mpi(timeout_s: float | None = None):
         return _mpi_init_waits_for_every_rank_of_the_job(mpi)
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process (SIGKILL) when its parent -- the launcher's proxy
+    that started this rank -- dies (Linux; elsewhere nothing). When a job aborts, the launcher
+    kills its ranks; a rank it missed (seen once under heavy load: a rank of an aborted job
+    left spinning in MPI with no parent) would otherwise wait for its dead peers forever. A
+    parent that died before this call is caught by the parent id check."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died between the two calls
+        os._exit(1)
 
 
 def _startup_timeout(given: float | None) -> float:
