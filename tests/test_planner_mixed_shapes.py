@@ -13,7 +13,7 @@ from h2jax.cli import main as cli_main
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_cluster
 from h2jax.planner import plan_cluster
 from h2jax.planner.cost_model import CostOptions
-from h2jax.planner.mixed_shapes import in_space, merged, moves, refine, shape
+from h2jax.planner.mixed_shapes import in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
 from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
 
@@ -102,7 +102,7 @@ def test_the_space_keeps_a_types_blocks_adjacent_few_and_within_its_chips():
                      for opts in ctx.type_options(32, prune_unfit=True))
     counts = ctx.counts
     x, y, z = first[:3]
-    assert len({shape(x), shape(y), shape(z)}) == 3
+    assert len({x.shape, y.shape, z.shape}) == 3
     assert in_space((x, second[0]), counts)
     assert in_space((x, y, second[0]), counts)
     assert not in_space((x, second[0], y), counts)  # a type's blocks not adjacent
@@ -125,7 +125,7 @@ def test_moves_are_one_step_and_reach_every_split_of_a_block():
     found = {merged(x) for x in moves(start, shapes, ctx.counts, ctx.model.n_layers)}
     assert start not in found
     a = start[0]  # the first block
-    other = next(s for s in shapes[a.chip] if shape(s) != shape(a))
+    other = next(s for s in shapes[a.chip] if s.shape != a.shape)
     room = ctx.counts[a.chip] - a.chips
     for keep in range(a.stages + 1):
         for k in range(1, (room + (a.stages - keep) * a.data * a.tensor) // (other.data * other.tensor) + 1):
@@ -136,7 +136,7 @@ def test_moves_are_one_step_and_reach_every_split_of_a_block():
     def per_chip(options):
         out = {}
         for o in options:
-            out.setdefault(o.chip, []).append((shape(o), o.stages))
+            out.setdefault(o.chip, []).append((o.shape, o.stages))
         return out
 
     before = per_chip(start)

@@ -23,20 +23,16 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from h2jax.planner.space import Candidate, Context, Option, SearchStats
-from h2jax.planner.split import TopK, solve
+from h2jax.planner.split import TopK, balance_bound, solve
 
 MAX_BLOCKS_PER_TYPE = 2
-
-
-def shape(o: Option) -> tuple[int, int, str]:
-    return (o.data, o.tensor, o.recompute)
 
 
 def merged(options: Sequence[Option]) -> tuple[Option, ...]:
     """Adjacent blocks of one chip type and shape as one block."""
     out: list[Option] = []
     for o in options:
-        if out and out[-1].chip == o.chip and shape(out[-1]) == shape(o):
+        if out and out[-1].chip == o.chip and out[-1].shape == o.shape:
             out[-1] = dataclasses.replace(out[-1], stages=out[-1].stages + o.stages)
         else:
             out.append(o)
@@ -66,7 +62,7 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
     its chip, or of a neighbouring block's chip, placed next to the kept ones or to that
     neighbour (the chips permitting, at most `n_layers` stages). A split is not made when
     `hopeless(speed, fill)` says so of its stages' summed `Option.speed` and per-layer fill
-    (what `split.solve` checks first)."""
+    (`split.balance_bound`, what `split.solve` checks first)."""
     used: dict[str, int] = {}
     blocks: dict[str, int] = {}
     for o in options:
@@ -100,7 +96,7 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                     kept = (dataclasses.replace(r, stages=keep),) if keep else ()
                     kept_speed, kept_fill = rest_speed + keep / r.layer_s, rest_fill + keep * r.fill
                     for s in shapes.get(chip, ()):
-                        if chip == o.chip and shape(s) in (shape(o), shape(r)):
+                        if chip == o.chip and s.shape in (o.shape, r.shape):
                             continue
                         for k in range(1, min(room // (s.data * s.tensor), n_layers - rest_p - keep) + 1):
                             if hopeless(kept_speed + k / s.layer_s, kept_fill + k * s.fill):
@@ -178,7 +174,7 @@ def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: 
         tried = itertools.chain(
             ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, shapes.every(b2))] if x),
             ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L,
-                                   lambda speed, fill: weight * L / speed + fill >= top.bound)))
+                                   lambda speed, fill: balance_bound(weight, L, speed, fill) >= top.bound)))
         best = top.bound
         for n, (b2, x) in enumerate(tried):
             if n % 256 == 0 and time.perf_counter() > deadline:
@@ -199,7 +195,7 @@ def at_micro_batch(options: Sequence[Option], shapes: Mapping[str, Sequence[Opti
     where a shape has none (its data size does not divide it, or it holds no layer)."""
     out = []
     for o in options:
-        same = next((s for s in shapes.get(o.chip, ()) if shape(s) == shape(o)), None)
+        same = next((s for s in shapes.get(o.chip, ()) if s.shape == o.shape), None)
         if same is None:
             return None
         out.append(dataclasses.replace(same, stages=o.stages))

@@ -57,6 +57,11 @@ class Option:
         return self.stages * self.data * self.tensor
 
     @property
+    def shape(self) -> tuple[int, int, str]:
+        """(data, tensor, recompute): what its stages run on, whatever their number."""
+        return (self.data, self.tensor, self.recompute)
+
+    @property
     def speed(self) -> float:
         return self.stages / self.layer_s
 
@@ -248,7 +253,7 @@ class Context:
             if two_shapes:
                 blocks += [
                     (f, k) for f in opts for k in opts
-                    if (f.data, f.tensor, f.recompute) != (k.data, k.tensor, k.recompute)
+                    if f.shape != k.shape
                     and f.chips + k.chips <= self.counts[name] and f.stages + k.stages <= self.model.n_layers
                 ]
             out.append(blocks)

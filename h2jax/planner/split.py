@@ -223,9 +223,8 @@ def shape_tables(
     `in_flight` when m is None, as under GPipe), clipped at L. Vectorised over shapes."""
     shapes: dict[tuple, Option] = {}
     for o in options:
-        key = (o.data, o.tensor, o.recompute)
-        if key not in shapes or o.stages > shapes[key].stages:
-            shapes[key] = o
+        if o.shape not in shapes or o.stages > shapes[o.shape].stages:
+            shapes[o.shape] = o
     if not shapes:
         return np.zeros(0), np.zeros((0, 1), dtype=np.int64), np.zeros(0)
     opts = list(shapes.values())
@@ -409,6 +408,13 @@ class OutOfTime(Exception):
 
 
 
+def balance_bound(weight: float, L: int, speed: float, fill: float) -> float:
+    """The cheapest bound on a stage list's time, from its stages' summed `Option.speed` and
+    `Option.fill` (one layer each): the bottleneck is at least the continuous balance
+    L / speed, weighted as the steady state, and every stage runs a layer in the fill."""
+    return weight * L / speed + fill
+
+
 def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: SearchStats) -> bool:
     """Solve one stage list's layer split exactly and offer it; True if it entered the top k."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
@@ -416,8 +422,7 @@ def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: Se
     if p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
         return False
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
-    # the bottleneck is at least the continuous balance L / sum(k/c); every stage runs a layer
-    if weight * L / sum(o.speed for o in chosen) + sum(o.stages * o.fill for o in chosen) >= top.bound:
+    if balance_bound(weight, L, sum(o.speed for o in chosen), sum(o.stages * o.fill for o in chosen)) >= top.bound:
         return False
     sends = stage_list_sends(ctx, b, [o for o in chosen for _ in range(o.stages)])
     if list_bound(ctx, b, chosen, sends) >= top.bound:
