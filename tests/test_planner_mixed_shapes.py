@@ -197,3 +197,28 @@ def test_the_local_search_climbs_from_the_best_few_one_shape_lists():
     alone = refine(ctx, [one], divisors(4), SearchStats())
     assert alone.time_s > two_full.time_s * 1.01  # stuck from the best one-shape list alone
     assert math.isclose(two.time_s, two_full.time_s, rel_tol=1e-9), (layout(two), layout(two_full))
+
+
+@pytest.mark.parametrize("case", ["split", "neighbour"])
+def test_a_proved_one_shape_optimum_spares_the_local_search_every_one_shape_list(case, monkeypatch):
+    """No one-shape list beats a proved one-shape optimum, so `refine` does not solve any when
+    the exact search proved its start; unproved, it solves them too, and finds the same plan."""
+    import h2jax.planner.mixed_shapes as mixed
+
+    cluster, seq, batch, schedule = CASES[case]
+    (one,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule)
+    ctx = make_context(cluster, "tiny", seq, batch, schedule)
+    solved, real_solve = [], mixed.solve
+
+    def recording(ctx_, b, chosen, top, stats):
+        solved.append(tuple(chosen))
+        return real_solve(ctx_, b, chosen, top, stats)
+
+    monkeypatch.setattr(mixed, "solve", recording)
+    found = {}
+    for proved in (True, False):
+        solved.clear()
+        found[proved] = refine(ctx, [one], divisors(batch), SearchStats(proved_optimal=proved))
+        one_shape_lists = [x for x in solved if mixed.one_shape(x)]
+        assert bool(one_shape_lists) == (not proved), len(one_shape_lists)
+    assert found[True].time_s == found[False].time_s < one.time_s

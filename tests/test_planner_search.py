@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision
 from h2jax.planner import PlannerError, top_k
 from h2jax.planner.search import make_context
-from h2jax.planner.split import _breakpoints, list_bound
+from h2jax.planner.split import _breakpoints, list_bound, list_may_beat
 
 
 @st.composite
@@ -104,6 +104,9 @@ def test_a_stage_lists_cheap_bound_never_exceeds_its_best_split(case, seq, batch
                   for o in c.options]
         bound = list_bound(ctx, c.micro_batch, chosen)
         assert 0 < bound <= c.time_s * (1 + 1e-12), (bound, c.time_s)
+        # what solve asks instead: whether the bound is below a given one, either side of it
+        for x in (bound * 0.999, bound * 1.001, c.time_s, math.inf):
+            assert list_may_beat(ctx, c.micro_batch, chosen, None, x) == (bound < x), (x, bound)
 
 
 def test_time_limit_returns_the_best_found_with_a_valid_lower_bound():

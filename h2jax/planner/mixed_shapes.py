@@ -41,16 +41,16 @@ def merged(options: Sequence[Option]) -> tuple[Option, ...]:
 
 def in_space(options: Sequence[Option], counts: Mapping[str, int]) -> bool:
     """Every type's blocks adjacent, at most MAX_BLOCKS_PER_TYPE of them, within its chips."""
-    seen: list[str] = []
+    blocks: dict[str, int] = {}
+    chips: dict[str, int] = {}
+    previous = None
     for o in options:
-        if o.chip in seen and seen[-1] != o.chip:
-            return False
-        seen.append(o.chip)
-    return all(
-        seen.count(name) <= MAX_BLOCKS_PER_TYPE
-        and sum(o.chips for o in options if o.chip == name) <= counts[name]
-        for name in set(seen)
-    )
+        if o.chip != previous and o.chip in blocks:
+            return False  # a type's blocks apart
+        blocks[o.chip] = blocks.get(o.chip, 0) + 1
+        chips[o.chip] = chips.get(o.chip, 0) + o.chips
+        previous = o.chip
+    return all(n <= MAX_BLOCKS_PER_TYPE and chips[name] <= counts[name] for name, n in blocks.items())
 
 
 def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
@@ -130,7 +130,9 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
     """The best plan reached from each of `starts` in turn by improving moves: `moves` at its
     micro-batch size, or its stage list at another of `micro_batches` (each shape's data size
     dividing it); the best start itself when no move improves on it. Lists solved once are not
-    solved again. Stops at `deadline` (perf_counter seconds) with the best found so far."""
+    solved again. Where `stats` says the exact search proved the best of `starts` optimal among
+    one-shape lists, lists with one shape per type are not solved: none can beat it. Stops at
+    `deadline` (perf_counter seconds) with the best found so far."""
     shapes, top = Shapes(ctx), TopK(1)
     for c in starts:
         top.push(c)
@@ -140,6 +142,11 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
             break
         climb(ctx, start, micro_batches, shapes, top, seen, stats, deadline)
     return top.sorted()[0]
+
+
+def one_shape(options: Sequence[Option]) -> bool:
+    """Every chip type in one block (of a merged list): a list of the exact search's space."""
+    return len({o.chip for o in options}) == len(options)
 
 
 class Shapes:
@@ -180,7 +187,7 @@ def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: 
             if n % 256 == 0 and time.perf_counter() > deadline:
                 return
             x = merged(x)
-            if not x or (b2, x) in seen or not in_space(x, ctx.counts):
+            if not x or (b2, x) in seen or (stats.proved_optimal and one_shape(x)) or not in_space(x, ctx.counts):
                 continue
             seen.add((b2, x))
             solve(ctx, b2, x, top, stats)

@@ -200,7 +200,7 @@ def _exhaustive_lists(
     stats.configs_visited += len(lists)
     shapes = [[o for o in chosen for _ in range(o.stages)] for chosen in lists]
     idx = np.array([[rows.of(o, i, p) for i, o in enumerate(sh)] for sh in shapes])  # (N, p)
-    sends = np.array([stage_list_sends(ctx, b, sh) for sh in shapes])  # (N, 2): largest, links
+    sends = np.array([stage_list_sends(ctx, b, chosen) for chosen in lists])  # (N, 2): largest, links
     splits = _compositions(L, p)  # (S, p)
     fit = np.array(rows.fit)[idx]  # (N, p, L + 1)
     ok = fit[:, np.arange(p)[None, :], splits].all(axis=-1)  # (N, S): every stage holds its layers

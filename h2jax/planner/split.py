@@ -50,13 +50,18 @@ def _leaf(ctx: Context, b: int, options: Sequence[Option], sends: tuple[float, f
     return _Leaf((fill * per_layer).sum(axis=1), const, groups + [tail], caps)
 
 
-def stage_list_sends(ctx: Context, b: int, shapes: Sequence[Option]) -> tuple[float, float]:
-    """(largest send, sum of sends + link latencies) of a stage list; under interleaved 1F1B
-    (v > 1) the last stage also sends to the first."""
-    p = len(shapes)
-    pairs = [(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if ctx.v > 1 and p > 1 else [])
-    sends = [ctx.send(b, shapes[i], shapes[j]) for i, j in pairs]
-    return max(sends, default=0.0), sum(s + cm.LINK_LATENCY_S for s in sends)
+def stage_list_sends(ctx: Context, b: int, chosen: Sequence[Option]) -> tuple[float, float]:
+    """(largest send, sum of sends + link latencies) of a stage list given as blocks (each
+    Option's `stages` stages in a row); under interleaved 1F1B (v > 1) the last stage also
+    sends to the first. A block's stages send to each other: k - 1 sends of one size."""
+    blocks = [o for o in chosen if o.stages > 0]
+    p = sum(o.stages for o in blocks)
+    pairs = [(o, o, o.stages - 1) for o in blocks if o.stages > 1]
+    pairs += [(s, r, 1) for s, r in zip(blocks, blocks[1:])]
+    if ctx.v > 1 and p > 1:
+        pairs.append((blocks[-1], blocks[0], 1))
+    sends = [(ctx.send(b, s, r), n) for s, r, n in pairs]
+    return max((x for x, _ in sends), default=0.0), sum(n * (x + cm.LINK_LATENCY_S) for x, n in sends)
 
 
 def _objective(leaf: _Leaf, layers: np.ndarray) -> float:
@@ -312,36 +317,61 @@ def envelope_bound(weight: float, L: int, rest: Envelope, rest_c: float, stairs:
     return best if best < math.inf else weight * v0 + floor_fill
 
 
+@dataclasses.dataclass
+class _ListParts:
+    """What `list_bound` weighs of one stage list, the bottleneck aside."""
+
+    caps: np.ndarray  # each stage's layer cap at its position's in-flight memory
+    c: np.ndarray  # each stage's steady-state time per layer
+    e: np.ndarray  # each stage's steady-state end terms (embedding, head)
+    weight: float  # the steady state's weight (1F1B: m - 1)
+    floor: float  # the steady state's floor: the largest send
+    rest: float  # the fill's and the tail's lower bounds
+
+
+def _list_parts(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[float, float] | None) -> _ListParts | None:
+    """`list_bound`'s terms but the bottleneck, or None when the list cannot hold the model."""
+    L, m = ctx.model.n_layers, ctx.global_batch // b
+    p = sum(o.stages for o in chosen)
+    ks = [o.stages for o in chosen]
+    caps = np.minimum(ctx.position_caps(chosen, m), L - p + 1)
+    if caps.min() < 1 or caps.sum() < L:
+        return None
+    first = ctx.terms(b, chosen[0], True, p == 1, 1)
+    last = ctx.terms(b, chosen[-1], p == 1, True, 1)
+    g_first = ctx.fill_terms(first, p == 1)[1]  # in the fill
+    g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
+    if sends is None:
+        sends = stage_list_sends(ctx, b, chosen)
+    e = np.zeros(p)
+    e[0] += first.fwd_end + first.bwd_end  # in the steady state
+    if p > 1:
+        e[-1] += last.fwd_end + last.bwd_end
+    # (GPipe: max f + max b >= max (f + b), so the same bound holds); the fill: its per-layer
+    # part at least the cheapest split within the memory caps (the cheapest stages filled first)
+    cf = np.repeat([o.fill for o in chosen], ks)
+    layers = _greedy_fill(cf, np.argsort(cf, kind="stable"), caps, L)
+    fill = float(cf @ layers) + g_first + g_last + 2.0 * sends[1]
+    form = ctx.sched.closed_form
+    return _ListParts(caps, np.repeat([o.layer_s for o in chosen], ks), e, form.steady_weight(m, ctx.v),
+                      sends[0] * form.send_factor(ctx.v), fill * (1 - 1e-9) + _tail_lb(chosen, L, 0.0))
+
+
 def list_bound(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[float, float] | None = None) -> float:
     """A lower bound on one stage list's time over every layer split (inf: it cannot hold the
     model), without building its leaf: like `envelope_bound`, with each position's in-flight
     memory cap, the end stages' embedding/logits time and the list's sends
     (`stage_list_sends`, computed here unless given: the largest, a floor of the steady
     state; all of them and their latencies, twice in the fill)."""
-    L, m = ctx.model.n_layers, ctx.global_batch // b
-    p = sum(o.stages for o in chosen)
-    first = ctx.terms(b, chosen[0], True, p == 1, 1)
-    last = ctx.terms(b, chosen[-1], p == 1, True, 1)
-    e_first = first.fwd_end + first.bwd_end  # in the steady state
-    e_last = 0.0 if p == 1 else last.fwd_end + last.bwd_end
-    g_first = ctx.fill_terms(first, p == 1)[1]  # in the fill
-    g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
-    if sends is None:
-        sends = stage_list_sends(ctx, b, [o for o in chosen for _ in range(o.stages)])
-    ks = [o.stages for o in chosen]
-    caps = np.minimum(ctx.position_caps(chosen, m), L - p + 1)
-    if caps.min() < 1 or caps.sum() < L:
+    parts = _list_parts(ctx, b, chosen, sends)
+    if parts is None:
         return math.inf
-    c = np.repeat([o.layer_s for o in chosen], ks)
-    cf = np.repeat([o.fill for o in chosen], ks)
-    e = np.zeros(p)
-    e[0] += e_first
-    e[-1] += e_last
+    caps, c, e, p = parts.caps, parts.c, parts.e, len(parts.caps)
     # the candidate bottlenecks c_i * l + e_i, l <= cap_i, as one run per group of stages that
     # share c and e (a block's inner stages; each end stage alone) up to the group's largest
     # cap: a superset of the breakpoints, so the least one that holds L layers is the same
     runs, start = [], 0
-    for k in ks:
+    for k in (o.stages for o in chosen):
         lo, hi = max(start, 1), min(start + k, p - 1)  # the block's inner stages
         if lo < hi:
             runs.append(c[lo] * np.arange(1, caps[lo:hi].max() + 1))
@@ -351,19 +381,30 @@ def list_bound(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[floa
         runs.append(c[-1] * np.arange(1, caps[-1] + 1) + e[-1])
     values = np.concatenate(runs)
     # the least candidate at which the stages hold L layers (held grows with the bottleneck)
-    held = np.minimum(caps[:, None], np.floor((values[None, :] - e[:, None]) / c[:, None] + 1e-9)).clip(min=0).sum(axis=0)
-    enough = values[held >= L]
+    enough = values[_held(parts, values[None, :]) >= ctx.model.n_layers]
     bottleneck = float(enough.min()) if len(enough) else float(values.max())
-    # (GPipe: max f + max b >= max (f + b), so the same bound holds); the fill: its per-layer
-    # part at least the cheapest split within the memory caps (the cheapest stages filled first)
-    layers = _greedy_fill(cf, np.argsort(cf, kind="stable"), caps, L)
-    if layers is None:
-        return math.inf
-    fill = float(cf @ layers) + g_first + g_last + 2.0 * sends[1]
-    tail = _tail_lb(chosen, L, 0.0)
-    form = ctx.sched.closed_form
-    bottleneck = max(bottleneck, sends[0] * form.send_factor(ctx.v))
-    return form.steady_weight(m, ctx.v) * bottleneck * (1 - 1e-9) + fill * (1 - 1e-9) + tail
+    return parts.weight * max(bottleneck, parts.floor) * (1 - 1e-9) + parts.rest
+
+
+def _held(parts: _ListParts, bottleneck: np.ndarray) -> np.ndarray:
+    """The most layers the stages hold with every stage's time within `bottleneck` (per column
+    of a (1, n) array, or a scalar)."""
+    per_stage = np.floor((bottleneck - parts.e[:, None]) / parts.c[:, None] + 1e-9)
+    return np.minimum(parts.caps[:, None], per_stage).clip(min=0).sum(axis=0)
+
+
+def list_may_beat(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[float, float] | None,
+                  bound: float) -> bool:
+    """Whether `list_bound` is below `bound`, without finding the list's least bottleneck: the
+    stages must hold the layers at the bottleneck `bound` leaves after the fill and the tail.
+    (The local search asks this of ~10^4 lists a round, nearly all of which it rejects.)"""
+    parts = _list_parts(ctx, b, chosen, sends)
+    if parts is None:
+        return False
+    if bound == math.inf or parts.weight <= 0:
+        return parts.rest < bound
+    most = (bound - parts.rest) / (parts.weight * (1 - 1e-9))  # the largest bottleneck that beats bound
+    return parts.floor < most and float(_held(parts, np.array([[most]]))[0]) >= ctx.model.n_layers
 
 
 def _inv_tail(o: Option, L: int) -> float:
@@ -424,10 +465,9 @@ def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: Se
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
     if balance_bound(weight, L, sum(o.speed for o in chosen), sum(o.stages * o.fill for o in chosen)) >= top.bound:
         return False
-    sends = stage_list_sends(ctx, b, [o for o in chosen for _ in range(o.stages)])
-    if list_bound(ctx, b, chosen, sends) >= top.bound:
+    if not list_may_beat(ctx, b, chosen, None, top.bound):
         return False
-    leaf = _leaf(ctx, b, chosen, sends)
+    leaf = _leaf(ctx, b, chosen, stage_list_sends(ctx, b, chosen))
     if leaf is None:
         return False
     stats.configs_visited += 1
