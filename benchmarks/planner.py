@@ -6,8 +6,10 @@ time limit (else `lower_bound_s` is a valid lower bound on the optimum and
 `within_of_optimum` = time / bound - 1). Each shipped cluster is searched `--repeat` times
 (min and median wall time: the search is deterministic, the spread is the machine's).
 Two shapes per chip type: the shipped clusters' plans with the local search after the exact
-one (how much faster than the proved one-shape optimum), and the local search against the
-exhaustive two-shape enumeration on `--two-shape-cases` random tiny clusters.
+one (how much faster than the proved one-shape optimum), the local search and the exact
+two-shape search against the exhaustive two-shape enumeration on `--two-shape-cases` random
+tiny clusters, and the exact two-shape search on the 64- and 768-chip clusters (within
+`--proof-time-limit`).
 `--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
 each: how many are proved optimal, the total and slowest time, how many take over 1 s).
 """
@@ -167,12 +169,14 @@ def tiny_cluster(rng: random.Random) -> Cluster:
 
 
 def two_shapes_vs_exhaustive(cases: int, seed: int) -> dict:
-    """The local search against the exhaustive enumeration of every two-shape stage list on
-    small random clusters (tiny model): in how many cases two shapes beat one, and in how many
-    of those the local search reaches the two-shape optimum (and by how much it misses)."""
+    """The local search and the exact two-shape search (`prove_two_shapes`) against the
+    exhaustive enumeration of every two-shape stage list on small random clusters (tiny
+    model): in how many cases two shapes beat one, in how many of those the local search
+    reaches the two-shape optimum (and by how much it misses), and whether the exact search
+    equals the exhaustive optimum in every case (its total and slowest time, its nodes)."""
     rng = random.Random(seed)
-    fits = two_better = reached = 0
-    worst, gains = 0.0, []
+    fits = two_better = reached = proved_equal = nodes = 0
+    worst, gains, proof_walls = 0.0, [], []
     for _ in range(cases):
         cluster = tiny_cluster(rng)
         seq, batch, schedule = rng.choice([32, 128]), rng.choice([2, 4, 8]), rng.choice(["1f1b", "1f1b", "gpipe"])
@@ -181,8 +185,13 @@ def two_shapes_vs_exhaustive(cases: int, seed: int) -> dict:
         except PlannerError:
             continue
         (local,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+        t0 = time.perf_counter()
+        (exact,), stats = top_k(cluster, "tiny", seq, batch, schedule=schedule, prove_two_shapes=True)
+        proof_walls.append(time.perf_counter() - t0)
         (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
         fits += 1
+        nodes += stats.two_shape_nodes
+        proved_equal += bool(stats.two_shapes_proved) and abs(exact.time_s / full.time_s - 1) <= 1e-9
         if full.time_s < one.time_s * (1 - 1e-9):
             two_better += 1
             gains.append(1 - full.time_s / one.time_s)
@@ -193,7 +202,33 @@ def two_shapes_vs_exhaustive(cases: int, seed: int) -> dict:
         "cases": cases, "cases_with_a_plan": fits, "two_shapes_faster": two_better,
         "local_search_reached_the_two_shape_optimum": reached, "worst_miss": round(worst, 4),
         "largest_two_shape_gain": round(max(gains, default=0.0), 4),
+        "exact_search_proved_the_exhaustive_optimum": proved_equal,
+        "exact_search_total_s": round(sum(proof_walls), 2), "exact_search_slowest_s": round(max(proof_walls, default=0.0), 3),
+        "exact_search_nodes": nodes,
     }
+
+
+def shipped_two_shape_proof(time_limit: float) -> dict:
+    """The exact two-shape search (`prove_two_shapes`) on the shipped 64- and 768-chip
+    clusters, one run each within `time_limit`: proved or not, its nodes and time, the plan
+    against the local search's and the one-shape optimum, and the lower bound it leaves."""
+    out = {}
+    for name in CLUSTERS[:2]:
+        cluster = load_cluster(REPO / "plans" / name)
+        args = (cluster, "llama-100b", 4096, 8 * 2**20 // 4096)
+        (local,), _ = top_k(*args, time_limit_s=time_limit, mixed_shapes=True)
+        t0 = time.perf_counter()
+        (best,), stats = top_k(*args, time_limit_s=time_limit, prove_two_shapes=True)
+        wall = time.perf_counter() - t0
+        out[cluster.name] = {
+            "search_time_s": round(wall, 2), "proved": stats.two_shapes_proved, "nodes": stats.two_shape_nodes,
+            "step_time_s": round(best.time_s, 4), "local_search_step_time_s": round(local.time_s, 4),
+            "one_shape_step_time_s": round(stats.one_shape_time_s, 4),
+            "lower_bound_s": round(stats.two_shape_lower_bound_s, 4),
+            "layout": [f"{o.chip} {o.stages}x(data={o.data},tensor={o.tensor},{o.recompute})" for o in best.options],
+            "micro_batch": best.micro_batch,
+        }
+    return out
 
 
 def random_shipped(cases: int, seed: int, time_limit: float) -> dict:
@@ -233,6 +268,8 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=30, help="random small clusters")
     parser.add_argument("--two-shape-cases", type=int, default=150,
                         help="random tiny clusters on which the two-shape local search meets the exhaustive")
+    parser.add_argument("--proof-time-limit", type=float, default=180.0,
+                        help="the exact two-shape search on the 64- and 768-chip clusters, each within this (s; 0: skip)")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")
     args = parser.parse_args()
@@ -244,6 +281,7 @@ def main() -> None:
         "small_clusters": fast_vs_exhaustive(args.cases, seed=0),
         "shipped_clusters_two_shapes": shipped_two_shapes(args.time_limit),
         "small_clusters_two_shapes": two_shapes_vs_exhaustive(args.two_shape_cases, seed=1),
+        **({"shipped_two_shape_proof": shipped_two_shape_proof(args.proof_time_limit)} if args.proof_time_limit else {}),
         **({"random_shipped": random_shipped(args.random_shipped, 1, args.time_limit)} if args.random_shipped else {}),
     }))
 

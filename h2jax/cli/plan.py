@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--one-shape-per-type", action="store_true",
                    help="give every stage of a chip type one shape (mesh and recompute), the space the search "
                         "proves optimal; by default a local search then tries two shapes per type")
+    p.add_argument("--prove-two-shapes", action="store_true",
+                   help="prove the plan optimal among plans with up to two shapes per chip type (branch and bound "
+                        "over how each type's chips split between its blocks; small clusters, within --time-limit)")
     p.add_argument("--profile", help="measured profile (from `h2jax profile`) to use instead of the analytical model")
     p.add_argument("--top-k", type=int, default=1, help="keep the K best stage lists (listed with --json)")
     p.add_argument("--refine-with-sim", type=int, default=None, metavar="K",
@@ -83,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
         cluster, args.model, args.seq_len, global_batch, schedule=args.schedule, exhaustive=args.exhaustive,
         profile=profile, k=max(args.top_k, args.refine_with_sim or 1), baselines=not args.no_baselines,
         baseline_global_batch=baseline_batch, time_limit_s=args.time_limit, virtual_stages=args.virtual_stages,
-        mixed_shapes=not args.one_shape_per_type,
+        mixed_shapes=not args.one_shape_per_type, prove_two_shapes=args.prove_two_shapes,
     )
     if args.refine_with_sim:
         result = refined_by_simulation(result, cluster, profile)
@@ -178,11 +181,21 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     under = "the schedule's closed form" if closed is not None else "the cost model"
     opt = f"proved optimal under {under}" if pred.get("proved_optimal", True) else "NOT proved optimal (time limit)"
     one_shape = pred.get("one_shape_step_time_s")
-    if one_shape is not None:  # the fast search proves the one-shape space; two shapes come from a local search
+    proved_two = pred.get("two_shapes_proved")
+    if proved_two:  # --prove-two-shapes finished: the plan is the two-shape optimum
+        opt += (f" among plans with up to two shapes per chip type ({pred['two_shape_nodes']:,} branch-and-bound nodes; "
+                f"{pred['two_shapes_faster_by']:.2%} faster than the best with one shape per type, {one_shape:.4g} s)"
+                if pred["two_shapes_faster_by"] > 1e-9 else
+                f" among plans with up to two shapes per chip type ({pred['two_shape_nodes']:,} branch-and-bound nodes; one shape "
+                "per type is as fast)")
+    elif one_shape is not None:  # the fast search proves the one-shape space; two shapes come from a local search
         opt += " among plans with one shape per chip type"
         if pred["two_shapes_faster_by"] > 1e-9:
             opt += (f" ({one_shape:.4g} s); two shapes on a type, from a local search (not proved optimal), "
                     f"are {pred['two_shapes_faster_by']:.2%} faster")
+        if proved_two is False:
+            opt += (f"; two shapes per type NOT proved within the time limit ({pred['two_shape_nodes']:,} branch-and-bound nodes): "
+                    f"their optimum is at least {pred['two_shape_lower_bound_s']:.4g} s")
     console.print(
         f"search: {pred['search_time_s']:.3f} s, {pred['plans_evaluated']:,} plans evaluated, "
         f"{pred['configs_visited']:,} of {pred['space_size']:,} stage lists visited; {opt}"

@@ -332,26 +332,34 @@ class _Enumerator:
         found = self._children(left, q)
         # the children whose bound base + C + rel is below the incumbent's (a margin for the
         # rounding of the sum: each child's own sum decides, below)
-        room = self.top.bound - self.base - C
-        n = int(np.searchsorted(found[0], room + 1e-9 * (abs(room) + abs(self.base) + abs(C)), side="right"))
+        top, base = self.top, self.base
+        room = top.bound - base - C
+        n = int(np.searchsorted(found[0], room + 1e-9 * (abs(room) + abs(base) + abs(C)), side="right"))
+        if not n:
+            return
+        if time.perf_counter() > self.deadline:
+            raise OutOfTime
+        bound = top.bound
         for r, t2, s, k, is_front, cost, most in zip(*(c[:n].tolist() for c in found)):
-            if self.base + C + r >= self.top.bound or self.leaves_left == 0:
+            if base + C + r >= bound or self.leaves_left == 0:
                 return
-            if time.perf_counter() > self.deadline:
-                raise OutOfTime
             here = ((t2, s, k),) + blocks
             if is_front:
                 # a list that cannot hold the L layers within the box's upper corner has no plan
                 # in the box: the box its best plan lies in solves it
                 if held + most >= self.L:
                     self._leaf(here)
+                    bound = top.bound
             elif left & ~(1 << t2):
                 self._visit(left & ~(1 << t2), q + k, C + cost, held + most, here)
+                bound = top.bound
 
     def _leaf(self, blocks: tuple) -> None:
         key = (self.batch.b, tuple((self.tables[t].options[s], k) for t, s, k in blocks))
         if key in self.solved:
             return
+        if time.perf_counter() > self.deadline:
+            raise OutOfTime
         self.solved.add(key)
         if self.leaves_left is not None:
             self.leaves_left -= 1
@@ -483,7 +491,7 @@ def search(
                 )
             for batch, children in generation.values():
                 push_all(batch, children)
-        except OutOfTime:
+        except Exception:  # OutOfTime, or a caller's `top` ending the search (chip_split): the bound so far
             stats.lower_bound_s = min([*open_lbs, *(b.lb for b in heap)], default=top.bound)
             stats.bound_rows = sum(b.rows for b in batches.values() if b is not None)
             raise

@@ -103,14 +103,16 @@ def plan_cluster(
     time_limit_s: float | None = None,
     virtual_stages: int | None = None,
     mixed_shapes: bool = True,
+    prove_two_shapes: bool = False,
 ) -> PlanResult:
     """The fastest plan for `cluster` under the cost model, with homogeneous baselines.
 
     `global_batch` is in sequences. `k` > 1 keeps the k best stage lists in `candidates`
     (for re-ranking with the simulator). `baseline_global_batch` adds paper-style baselines at
     a different batch, labelled batch-mismatched; the ratio always uses the matched ones.
-    `mixed_shapes` (default) lets a chip type's stages take two shapes (search.top_k); the
-    baselines are searched the same way.
+    `mixed_shapes` (default) lets a chip type's stages take two shapes (search.top_k);
+    `prove_two_shapes` proves the plan optimal among those (chip_split.prove, within the time
+    limit). The baselines are searched the same way.
     """
     model = get_config(model)
     optimizer = dataclasses.replace(optimizer, shard_over_data=shard_optimizer)  # the plan records it
@@ -118,7 +120,7 @@ def plan_cluster(
     search_kwargs = dict(
         schedule=schedule, exhaustive=exhaustive, profile=profile,
         micro_batches=micro_batches, recompute=recompute, options=options, time_limit_s=time_limit_s,
-        virtual_stages=virtual_stages, mixed_shapes=mixed_shapes,
+        virtual_stages=virtual_stages, mixed_shapes=mixed_shapes, prove_two_shapes=prove_two_shapes,
     )
     candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, **search_kwargs)
     best = candidates[0]
@@ -142,6 +144,10 @@ def plan_cluster(
     if stats.one_shape_time_s is not None:  # the best plan with one shape per type (the search's objective)
         predicted["one_shape_step_time_s"] = stats.one_shape_time_s
         predicted["two_shapes_faster_by"] = 1.0 - best.time_s / stats.one_shape_time_s
+    if stats.two_shapes_proved is not None:  # prove_two_shapes: the two-shape space's proof
+        predicted["two_shapes_proved"] = stats.two_shapes_proved
+        predicted["two_shape_lower_bound_s"] = stats.two_shape_lower_bound_s
+        predicted["two_shape_nodes"] = stats.two_shape_nodes
     if len(stats.schedule_times) > 1:  # --schedule auto: each schedule's best, the plan's first, then fastest first
         predicted["schedule_times_s"] = dict(sorted(stats.schedule_times.items(),
                                                     key=lambda kv: (kv[0] != best.label, kv[1])))

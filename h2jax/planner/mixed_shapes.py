@@ -5,12 +5,13 @@ A type's stages can do better on two: under 1F1B a stage nearer the front keeps 
 micro-batches in flight, so the front of a type's block may need a larger tensor size (more
 memory per chip) than its back, and chips a shape leaves over may hold a smaller stage. From
 each of the best plans with one shape per type, `refine` walks stage lists one move away (`moves`),
-each type's stages in at most two adjacent blocks and each new block on a shape no other
-shape of its chip beats on every count (`undominated`), solves each list's layer split exactly
-(`split.solve`, which skips a list its bounds show cannot win) and moves to the best until
-no move improves it (`climb`). The result is at least as fast as the one-shape optimum; it
-is not proved optimal among two-shape plans (`--exhaustive` enumerates those on small
-clusters: docs/planner.md, "Two shapes per chip type").
+each type's stages in at most two blocks (the moves keep them together) and each new block
+on a shape no other shape of its chip beats on every count (`undominated`), solves each
+list's layer split exactly (`split.solve`, which skips a list its bounds show cannot win)
+and moves to the best until no move improves it (`climb`). The result is at least as fast as
+the one-shape optimum; it is not proved optimal among two-shape plans (chip_split.prove
+proves that, on small clusters; `--exhaustive` enumerates them: docs/planner.md, "Two
+shapes per chip type").
 """
 
 from __future__ import annotations
@@ -40,16 +41,12 @@ def merged(options: Sequence[Option]) -> tuple[Option, ...]:
 
 
 def in_space(options: Sequence[Option], counts: Mapping[str, int]) -> bool:
-    """Every type's blocks adjacent, at most MAX_BLOCKS_PER_TYPE of them, within its chips."""
+    """At most MAX_BLOCKS_PER_TYPE blocks per type (anywhere in the pipeline), within its chips."""
     blocks: dict[str, int] = {}
     chips: dict[str, int] = {}
-    previous = None
     for o in options:
-        if o.chip != previous and o.chip in blocks:
-            return False  # a type's blocks apart
         blocks[o.chip] = blocks.get(o.chip, 0) + 1
         chips[o.chip] = chips.get(o.chip, 0) + o.chips
-        previous = o.chip
     return all(n <= MAX_BLOCKS_PER_TYPE and chips[name] <= counts[name] for name, n in blocks.items())
 
 

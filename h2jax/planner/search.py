@@ -18,9 +18,10 @@ The space (the same for the search and `exhaustive=True`):
   flight), so a set of j types runs in j! orders;
 - a layer split: l_i >= 1 layers per stage, sum l_i = n_layers, every stage within memory.
 
-With `mixed_shapes` a type may also run two adjacent options of different shapes within its
-chips: `exhaustive=True` enumerates that space; the fast search proves the one-shape space
-and then searches the wider one locally (mixed_shapes.py).
+With `mixed_shapes` a type may also run two options (blocks of any shapes, anywhere in the
+pipeline) within its chips: `exhaustive=True` enumerates that space; the fast search proves
+the one-shape space and then searches the wider one locally (mixed_shapes.py), and with
+`prove_two_shapes` exactly (chip_split.py).
 
 The exact layer split of one stage list (`best_split`): the objective is
 
@@ -46,7 +47,7 @@ import numpy as np
 from h2jax.config import ModelConfig, get_config, preset_name
 from h2jax.plan import RECOMPUTE_POLICIES, Optimizer
 from h2jax.planner import cost_model as cm
-from h2jax.planner import dual_search
+from h2jax.planner import chip_split, dual_search
 from h2jax.planner.memory_model import GIB
 from h2jax.planner.mixed_shapes import refine
 from h2jax.planner.profile import Profile
@@ -96,24 +97,26 @@ MAX_EXHAUSTIVE_ARRAY = 20_000_000  # splits of one stage list (one int64 row of 
 def exhaustive_size(ctx: Context, micro_batches: Sequence[int], two_shapes: bool = False) -> tuple[int, int, int]:
     """(layer splits the exhaustive search evaluates, most splits of one stage list, the bytes
     of that stage list's split array), counted
-    without enumerating: stage lists by their number of types j and stages p (a product of
-    per-type polynomials), times the j! pipeline orders of the types and the C(L - 1, p - 1)
+    without enumerating: stage lists by their number of blocks j and stages p (a product of
+    per-type polynomials), times the j! pipeline orders of the blocks and the C(L - 1, p - 1)
     splits of L layers over p stages."""
     L, total, largest, nbytes = ctx.model.n_layers, 0, 0, 0
     for b in micro_batches:
-        lists = np.zeros((1, 1), dtype=object)  # lists[j, p]: sets of j types' options with p stages
+        lists = np.zeros((1, 1), dtype=object)  # lists[j, p]: sets of options, j blocks and p stages in all
         lists[0, 0] = 1
         for blocks in ctx.type_blocks(b, two_shapes):
-            per = np.zeros(max((sum(o.stages for o in blk) for blk in blocks), default=0) + 1, dtype=object)
+            # per[n, k]: the type's entries of n blocks and k stages
+            per = np.zeros((3, max((sum(o.stages for o in blk) for blk in blocks), default=0) + 1), dtype=object)
             for blk in blocks:
-                per[sum(o.stages for o in blk)] += 1
-            grown = np.zeros((lists.shape[0] + 1, lists.shape[1] + len(per) - 1), dtype=object)
-            grown[:-1, : lists.shape[1]] += lists  # the type not used
-            for k in range(1, len(per)):
-                grown[1:, k: k + lists.shape[1]] += lists * per[k]
+                per[len(blk), sum(o.stages for o in blk)] += 1
+            grown = np.zeros((lists.shape[0] + 2, lists.shape[1] + per.shape[1] - 1), dtype=object)
+            grown[: lists.shape[0], : lists.shape[1]] += lists  # the type not used
+            for n in (1, 2):
+                for k in range(1, per.shape[1]):
+                    grown[n: n + lists.shape[0], k: k + lists.shape[1]] += lists * per[n, k]
             lists = grown
         for p in range(1, min(L, lists.shape[1] - 1) + 1):
-            # each set of j types runs in j! pipeline orders
+            # each set of j blocks runs in j! pipeline orders
             count = sum(math.factorial(j) * int(lists[j, p]) for j in range(lists.shape[0]))
             if count:
                 splits = math.comb(L - 1, p - 1)
@@ -141,7 +144,7 @@ def _search_exhaustive(
     ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats, two_shapes: bool = False
 ) -> list[Candidate]:
     """Every stage list and every layer split, no bounds, no pruning: the reference. With
-    `two_shapes`, a chip type's stages may also take two shapes (two adjacent blocks).
+    `two_shapes`, a chip type may also run two blocks (of any shapes, anywhere in the pipeline).
 
     Memory is checked with the memory model's fit test on each split (not its layer caps), and
     each split's time is evaluated from the stage terms with the schedule's closed form,
@@ -159,8 +162,8 @@ def _search_exhaustive(
             if not picked or p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
                 continue
             waiting = batches.setdefault(p, [])
-            for order in itertools.permutations(picked):  # every pipeline order of the types
-                waiting.append(tuple(o for blk in order for o in blk))
+            # every pipeline order of the blocks (a type's two blocks anywhere)
+            waiting.extend(itertools.permutations([o for blk in picked for o in blk]))
             if len(waiting) * len(_compositions(L, p)) * p >= EXHAUSTIVE_CHUNK:
                 _exhaustive_lists(ctx, b, m, p, batches.pop(p), rows, top, k, stats)
         for p, waiting in batches.items():
@@ -239,6 +242,7 @@ def top_k(
     time_limit_s: float | None = None,
     virtual_stages: int | None = None,
     mixed_shapes: bool = False,
+    prove_two_shapes: bool = False,
 ) -> tuple[list[Candidate], SearchStats]:
     """The k fastest stage lists (each with its best layer split), fastest first.
 
@@ -252,10 +256,13 @@ def top_k(
     `mixed_shapes` lets a chip type's stages take two shapes: the fast search refines its
     REFINE_STARTS best plans by a local search (mixed_shapes.refine; `stats.one_shape_time_s`
     keeps the best plan with one shape per type, which is what `proved_optimal` speaks of) and
-    the exhaustive reference enumerates every two-shape stage list.
+    the exhaustive reference enumerates every two-shape stage list. `prove_two_shapes` (with
+    `mixed_shapes`) then proves the best plan optimal in the two-shape space
+    (chip_split.prove; `stats.two_shapes_proved`), within the time limit.
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
+    mixed_shapes = mixed_shapes or prove_two_shapes
     try:
         runs = variants(schedule)
     except ValueError as e:
@@ -265,7 +272,7 @@ def top_k(
         runs = list(dict.fromkeys(runs))
     if len(runs) == 1:
         return _top_k_one(cluster, model, seq_len, global_batch, k, *runs[0], exhaustive, profile,
-                          micro_batches, recompute, options, time_limit_s, mixed_shapes)
+                          micro_batches, recompute, options, time_limit_s, mixed_shapes, prove_two_shapes)
     found: list[Candidate] = []
     stats = SearchStats(lower_bound_s=math.inf)
     errors: list[PlannerError] = []
@@ -276,7 +283,7 @@ def top_k(
         left = None if end is None else max(1e-3, (end - time.perf_counter()) / (len(runs) - idx))
         try:
             cands, st = _top_k_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
-                                   micro_batches, recompute, options, left, mixed_shapes)
+                                   micro_batches, recompute, options, left, mixed_shapes, prove_two_shapes)
         except PlannerError as e:
             errors.append(e)
             continue
@@ -288,6 +295,10 @@ def top_k(
         stats.lower_bound_s = min(stats.lower_bound_s, st.lower_bound_s)
         if st.one_shape_time_s is not None:
             stats.one_shape_time_s = min(st.one_shape_time_s, stats.one_shape_time_s or math.inf)
+        if st.two_shapes_proved is not None:  # proved for every schedule: the best of them is proved
+            stats.two_shapes_proved = st.two_shapes_proved and stats.two_shapes_proved is not False
+            stats.two_shape_nodes += st.two_shape_nodes
+            stats.two_shape_lower_bound_s = min(st.two_shape_lower_bound_s, stats.two_shape_lower_bound_s or math.inf)
     if not found:
         raise errors[0]
     found.sort(key=lambda c: c.time_s)
@@ -331,7 +342,7 @@ REFINE_STARTS = 3
 
 def _top_k_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
-    options, time_limit_s, mixed_shapes=False,
+    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False,
 ) -> tuple[list[Candidate], SearchStats]:
     ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
     mbs = micro_batches_of(global_batch, micro_batches)
@@ -349,6 +360,11 @@ def _top_k_one(
         if mixed_shapes and found:
             stats.one_shape_time_s = found[0].time_s
             better = refine(ctx, found[:REFINE_STARTS], mbs, stats, deadline)
+            if prove_two_shapes:
+                if stats.proved_optimal:  # (else the time is up already)
+                    better = chip_split.prove(ctx, mbs, better, stats, deadline)
+                else:
+                    stats.two_shapes_proved = False
             found = [better] + [c for c in found if c is not better][: k - 1]
     stats.search_time_s = time.perf_counter() - t0
     if not found and not stats.proved_optimal:

@@ -115,6 +115,11 @@ class SearchStats:
     # mixed_shapes: the best plan with one shape per chip type (the space proved_optimal speaks
     # of), before the two-shape local search (mixed_shapes.refine); None when not searched
     one_shape_time_s: float | None = None
+    # prove_two_shapes (chip_split.prove): whether the plan is proved the optimum of the two-shape
+    # space (None: not tried), the nodes it took, and a valid lower bound on that optimum
+    two_shapes_proved: bool | None = None
+    two_shape_nodes: int = 0
+    two_shape_lower_bound_s: float | None = None
 
 
 # ----------------------------------------------------------------------------- the space
@@ -187,7 +192,8 @@ class Context:
                 cf * t.fwd_end + cb * t.bwd_end + cw * t.bwd_weight_end)
 
     def terms(self, b: int, o: Option, first: bool, last: bool, in_flight: float, deferred: int = 0) -> cm.StageTerms:
-        key = (b, o.chip, o.data, o.tensor, o.recompute, first, last, in_flight, deferred)
+        # by the chip's own name: a virtual type (chip_split.py) shares its chip's terms
+        key = (b, self.chips[o.chip].name, o.data, o.tensor, o.recompute, first, last, in_flight, deferred)
         t = self._terms.get(key)
         if t is None:
             t = cm.stage_terms(
@@ -221,7 +227,7 @@ class Context:
         return np.concatenate(out)
 
     def send(self, b: int, s: Option, r: Option) -> float:
-        key = (b, s.chip, s.data, s.tensor, r.chip, r.data, r.tensor)
+        key = (b, self.chips[s.chip].name, s.data, s.tensor, self.chips[r.chip].name, r.data, r.tensor)
         v = self._sends.get(key)
         if v is None:
             v = cm.send_terms(
@@ -245,16 +251,16 @@ class Context:
 
     def type_blocks(self, b: int, two_shapes: bool) -> list[list[tuple[Option, ...]]]:
         """Per chip type (pipeline order), what it may run at micro-batch b: one option, or
-        with `two_shapes` also two options of different shapes, front then back, within the
-        type's chips (the exhaustive reference's space; shapes not pruned)."""
+        with `two_shapes` also two options (blocks placed anywhere in the pipeline, of any two
+        shapes, each pair once), within the type's chips and the layers (the exhaustive
+        reference's space; shapes not pruned)."""
         out = []
         for name, opts in zip(self.order, self.type_options(b, prune_unfit=False)):
             blocks: list[tuple[Option, ...]] = [(o,) for o in opts]
             if two_shapes:
                 blocks += [
-                    (f, k) for f in opts for k in opts
-                    if f.shape != k.shape
-                    and f.chips + k.chips <= self.counts[name] and f.stages + k.stages <= self.model.n_layers
+                    (f, k) for i, f in enumerate(opts) for k in opts[i:]
+                    if f.chips + k.chips <= self.counts[name] and f.stages + k.stages <= self.model.n_layers
                 ]
             out.append(blocks)
         return out

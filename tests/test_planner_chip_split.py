@@ -1,0 +1,124 @@
+"""The exact two-shape search (chip_split.prove): branch and bound over how each chip type's
+chips split between its two blocks, against the exhaustive two-shape enumeration."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from h2jax.cluster import ChipGroup, Cluster
+from h2jax.planner import chip_split, plan_cluster
+from h2jax.planner.search import top_k
+from h2jax.planner.space import Candidate, PlannerError, SearchStats, divisors, make_context
+from test_planner_mixed_shapes import CASES, chip, layout
+
+
+def random_cluster(rng: random.Random) -> Cluster:
+    groups = []
+    for i in range(rng.choice([1, 2, 2])):
+        groups.append(ChipGroup(chip(f"chip{i}", rng.choice([0.004, 0.008, 0.016]), rng.choice([0.1, 0.3, 1.0, 2.5]),
+                                     rng.choice([2, 4]), rng.choice([0.5, 2.0, 10.0]), rng.choice([5.0, 50.0]),
+                                     rng.choice(["float32", "bfloat16"])), rng.randint(2, 6)))
+    return Cluster(tuple(groups), name="random")
+
+
+@pytest.mark.slow
+def test_the_proof_equals_the_exhaustive_two_shape_optimum_on_200_random_clusters():
+    """200 seeded clusters of 1-2 types, 2-6 chips each, 1F1B and GPipe: the proved plan's
+    time is the exhaustive two-shape optimum's, and it is proved. (Recompute none or full:
+    the exhaustive space of two blocks grows with the square of a type's shapes.)"""
+    rng = random.Random(2)
+    checked, won, apart = 0, 0, 0
+    while checked < 200:
+        cluster = random_cluster(rng)
+        seq, batch, schedule = rng.choice([32, 128]), rng.choice([2, 4]), rng.choice(["1f1b", "gpipe"])
+        kw = dict(schedule=schedule, recompute=("none", "full"))
+        try:
+            (proved,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)
+        except PlannerError:
+            continue
+        (full,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, exhaustive=True, **kw)
+        assert stats.two_shapes_proved and stats.two_shape_nodes >= 1
+        assert math.isclose(proved.time_s, full.time_s, rel_tol=1e-9), (layout(proved), layout(full))
+        assert stats.two_shape_lower_bound_s == proved.time_s
+        won += proved.time_s < stats.one_shape_time_s * (1 - 1e-9)
+        chips = [o.chip for o in proved.options]
+        apart += any(chips.count(c) == 2 and chips.index(c) + 1 < len(chips) - 1 - chips[::-1].index(c)
+                     for c in chips)
+        checked += 1
+    assert won >= 10 and apart >= 1  # cases where two shapes beat one, a type's blocks apart, among them
+
+
+APART = Cluster((ChipGroup(chip("chip0", 0.004, 0.1, 4, 10.0, 50.0), 6), ChipGroup(chip("chip1", 0.008, 0.1, 4, 10.0, 5.0), 8)))
+
+
+def test_a_types_two_blocks_may_sit_apart():
+    """A case whose two-shape optimum runs chip1 at both ends of the pipeline, chip0 between:
+    the proof finds it (the local search, whose moves keep a type's blocks together, cannot)."""
+    kw = dict(schedule="gpipe")
+    (proved,), stats = top_k(APART, "tiny", 32, 2, prove_two_shapes=True, **kw)
+    (full,), _ = top_k(APART, "tiny", 32, 2, mixed_shapes=True, exhaustive=True, **kw)
+    (local,), _ = top_k(APART, "tiny", 32, 2, mixed_shapes=True, **kw)
+    assert math.isclose(proved.time_s, full.time_s, rel_tol=1e-9)
+    chips = [o.chip for o in proved.options]
+    assert chips[0] == chips[-1] != chips[1], layout(proved)  # one type at both ends
+    assert local.time_s > proved.time_s * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_proof_keeps_the_local_searchs_optimum_where_it_is_one(case):
+    cluster, seq, batch, schedule = CASES[case]
+    (local,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+    (proved,), stats = top_k(cluster, "tiny", seq, batch, schedule=schedule, prove_two_shapes=True)
+    (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
+    assert stats.two_shapes_proved
+    assert math.isclose(proved.time_s, full.time_s, rel_tol=1e-9) and proved.time_s <= local.time_s
+
+
+def test_a_node_is_a_virtual_cluster_of_two_types_per_chip():
+    ctx = make_context(Cluster((ChipGroup(chip("a", 0.008, 1.0), 8), ChipGroup(chip("b", 0.008, 1.0), 5))),
+                       "tiny", 32, 4)
+    v = chip_split.virtual_context(ctx, {"a": (2, 4), "b": (0, 0)})
+    assert v.counts == {"a#1": 4, "a#2": 6, "b#2": 5}  # t#1: hi chips (none at 0); t#2: C - lo
+    assert all(v.chips[n] is ctx.chips[chip_split.real_name(n)] for n in v.order)
+    assert v._terms is ctx._terms and v._options is not ctx._options  # terms shared, shapes per node
+    a1 = next(o for o in v.type_options(4, prune_unfit=False)[0] if o.chip == "a#1" and o.chips == 2)
+    a2 = next(o for o in v.type_options(4, prune_unfit=False)[1] if o.chip == "a#2" and o.chips == 2)
+    b2 = next(o for o in v.type_options(4, prune_unfit=False)[2] if o.chip == "b#2")
+    cand = Candidate(1.0, 4, (a1, b2, a2), (1, 1, 1))
+    assert chip_split.usage(cand) == {"a": (2, 2), "b": (0, b2.chips)}
+    real = chip_split.as_real(cand)
+    assert [o.chip for o in real.options] == ["a", "b", "a"] and real.layers == cand.layers
+    both = chip_split.as_real(dataclasses.replace(cand, options=(a1, a2, b2)))
+    assert [o.chip for o in both.options] == (["a", "b"] if a1.shape == a2.shape else ["a", "a", "b"])
+
+
+def test_out_of_time_the_proof_returns_the_best_found_and_a_valid_bound():
+    kw = dict(schedule="gpipe")
+    (full,), _ = top_k(APART, "tiny", 32, 2, mixed_shapes=True, exhaustive=True, **kw)
+    ctx = make_context(APART, "tiny", 32, 2, "gpipe")
+    (local,), stats = top_k(APART, "tiny", 32, 2, mixed_shapes=True, **kw)
+    st = SearchStats()
+    best = chip_split.prove(ctx, divisors(2), local, st, deadline=0.0)  # already past
+    assert best is local and st.two_shapes_proved is False
+    assert st.two_shape_lower_bound_s <= full.time_s
+
+
+def test_plan_reports_the_two_shape_proof(capsys):
+    from h2jax.cli.plan import print_table
+
+    result = plan_cluster(APART, "tiny", 32, 2, schedule="gpipe", baselines=False, prove_two_shapes=True)
+    pred = result.plan.predicted
+    assert pred["two_shapes_proved"] is True and pred["two_shape_nodes"] >= 1
+    assert pred["two_shape_lower_bound_s"] == pytest.approx(pred["step_time_s"], rel=1e-9)
+    print_table(result, APART, None)
+    out = capsys.readouterr().out
+    assert "among plans with up to two shapes per chip type" in out and "faster than the best with one shape" in out
+    # out of time: the plan as found, the two-shape optimum's bound
+    pred.update(two_shapes_proved=False, two_shape_lower_bound_s=0.0123)
+    print_table(result, APART, None)
+    out = capsys.readouterr().out
+    assert "two shapes per type NOT proved within the time limit" in out and "at least 0.0123 s" in out
