@@ -106,7 +106,7 @@ def test_a_stage_lists_cheap_bound_never_exceeds_its_best_split(case, seq, batch
         assert 0 < bound <= c.time_s * (1 + 1e-12), (bound, c.time_s)
         # what solve asks instead: whether the bound is below a given one, either side of it
         for x in (bound * 0.999, bound * 1.001, c.time_s, math.inf):
-            assert list_may_beat(ctx, c.micro_batch, chosen, None, x) == (bound < x), (x, bound)
+            assert list_may_beat(ctx, c.micro_batch, chosen, x) == (bound < x), (x, bound)
 
 
 def test_time_limit_returns_the_best_found_with_a_valid_lower_bound():

@@ -183,11 +183,10 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     one_shape = pred.get("one_shape_step_time_s")
     proved_two = pred.get("two_shapes_proved")
     if proved_two:  # --prove-two-shapes finished: the plan is the two-shape optimum
+        gain = pred["two_shapes_faster_by"]
         opt += (f" among plans with up to two shapes per chip type ({pred['two_shape_nodes']:,} branch-and-bound nodes; "
-                f"{pred['two_shapes_faster_by']:.2%} faster than the best with one shape per type, {one_shape:.4g} s)"
-                if pred["two_shapes_faster_by"] > 1e-9 else
-                f" among plans with up to two shapes per chip type ({pred['two_shape_nodes']:,} branch-and-bound nodes; one shape "
-                "per type is as fast)")
+                + (f"{gain:.2%} faster than the best with one shape per type, {one_shape:.4g} s)" if gain > 1e-9
+                   else "one shape per type is as fast)"))
     elif one_shape is not None:  # the fast search proves the one-shape space; two shapes come from a local search
         opt += " among plans with one shape per chip type"
         if pred["two_shapes_faster_by"] > 1e-9:

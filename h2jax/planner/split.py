@@ -329,7 +329,7 @@ class _ListParts:
     rest: float  # the fill's and the tail's lower bounds
 
 
-def _list_parts(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[float, float] | None) -> _ListParts | None:
+def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | None:
     """`list_bound`'s terms but the bottleneck, or None when the list cannot hold the model."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     p = sum(o.stages for o in chosen)
@@ -341,8 +341,7 @@ def _list_parts(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[flo
     last = ctx.terms(b, chosen[-1], p == 1, True, 1)
     g_first = ctx.fill_terms(first, p == 1)[1]  # in the fill
     g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
-    if sends is None:
-        sends = stage_list_sends(ctx, b, chosen)
+    sends = stage_list_sends(ctx, b, chosen)
     e = np.zeros(p)
     e[0] += first.fwd_end + first.bwd_end  # in the steady state
     if p > 1:
@@ -357,13 +356,13 @@ def _list_parts(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[flo
                       sends[0] * form.send_factor(ctx.v), fill * (1 - 1e-9) + _tail_lb(chosen, L, 0.0))
 
 
-def list_bound(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[float, float] | None = None) -> float:
+def list_bound(ctx: Context, b: int, chosen: Sequence[Option]) -> float:
     """A lower bound on one stage list's time over every layer split (inf: it cannot hold the
     model), without building its leaf: like `envelope_bound`, with each position's in-flight
     memory cap, the end stages' embedding/logits time and the list's sends
-    (`stage_list_sends`, computed here unless given: the largest, a floor of the steady
-    state; all of them and their latencies, twice in the fill)."""
-    parts = _list_parts(ctx, b, chosen, sends)
+    (`stage_list_sends`: the largest, a floor of the steady state; all of them and their
+    latencies, twice in the fill)."""
+    parts = _list_parts(ctx, b, chosen)
     if parts is None:
         return math.inf
     caps, c, e, p = parts.caps, parts.c, parts.e, len(parts.caps)
@@ -386,25 +385,24 @@ def list_bound(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[floa
     return parts.weight * max(bottleneck, parts.floor) * (1 - 1e-9) + parts.rest
 
 
-def _held(parts: _ListParts, bottleneck: np.ndarray) -> np.ndarray:
+def _held(parts: _ListParts, bottleneck: np.ndarray | float) -> np.ndarray:
     """The most layers the stages hold with every stage's time within `bottleneck` (per column
-    of a (1, n) array, or a scalar)."""
+    of a (1, n) array; a scalar gives one column)."""
     per_stage = np.floor((bottleneck - parts.e[:, None]) / parts.c[:, None] + 1e-9)
     return np.minimum(parts.caps[:, None], per_stage).clip(min=0).sum(axis=0)
 
 
-def list_may_beat(ctx: Context, b: int, chosen: Sequence[Option], sends: tuple[float, float] | None,
-                  bound: float) -> bool:
+def list_may_beat(ctx: Context, b: int, chosen: Sequence[Option], bound: float) -> bool:
     """Whether `list_bound` is below `bound`, without finding the list's least bottleneck: the
     stages must hold the layers at the bottleneck `bound` leaves after the fill and the tail.
     (The local search asks this of ~10^4 lists a round, nearly all of which it rejects.)"""
-    parts = _list_parts(ctx, b, chosen, sends)
+    parts = _list_parts(ctx, b, chosen)
     if parts is None:
         return False
     if bound == math.inf or parts.weight <= 0:
         return parts.rest < bound
     most = (bound - parts.rest) / (parts.weight * (1 - 1e-9))  # the largest bottleneck that beats bound
-    return parts.floor < most and float(_held(parts, np.array([[most]]))[0]) >= ctx.model.n_layers
+    return parts.floor < most and float(_held(parts, most)[0]) >= ctx.model.n_layers
 
 
 def _inv_tail(o: Option, L: int) -> float:
@@ -465,7 +463,7 @@ def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: Se
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
     if balance_bound(weight, L, sum(o.speed for o in chosen), sum(o.stages * o.fill for o in chosen)) >= top.bound:
         return False
-    if not list_may_beat(ctx, b, chosen, None, top.bound):
+    if not list_may_beat(ctx, b, chosen, top.bound):
         return False
     leaf = _leaf(ctx, b, chosen, stage_list_sends(ctx, b, chosen))
     if leaf is None:
