@@ -355,7 +355,8 @@ class _Enumerator:
                 bound = top.bound
 
     def _leaf(self, blocks: tuple) -> None:
-        key = (self.batch.b, tuple((self.tables[t].options[s], k) for t, s, k in blocks))
+        # (by the shapes' identities: the batch's tables keep them for the whole search)
+        key = (self.batch.b, tuple((id(self.tables[t].options[s]), k) for t, s, k in blocks))
         if key in self.solved:
             return
         if time.perf_counter() > self.deadline:

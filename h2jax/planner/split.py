@@ -319,18 +319,22 @@ def envelope_bound(weight: float, L: int, rest: Envelope, rest_c: float, stairs:
 
 @dataclasses.dataclass
 class _ListParts:
-    """What `list_bound` weighs of one stage list, the bottleneck aside."""
+    """What `list_bound` weighs of one stage list, per stage (pipeline order)."""
 
-    caps: np.ndarray  # each stage's layer cap at its position's in-flight memory
-    c: np.ndarray  # each stage's steady-state time per layer
-    e: np.ndarray  # each stage's steady-state end terms (embedding, head)
+    caps: np.ndarray  # the layer cap at its position's in-flight memory
+    c: np.ndarray  # steady-state time per layer
+    e: np.ndarray  # steady-state end terms (embedding, head)
+    cf: np.ndarray  # per-layer share of the fill (the least over positions)
     weight: float  # the steady state's weight (1F1B: m - 1)
     floor: float  # the steady state's floor: the largest send
-    rest: float  # the fill's and the tail's lower bounds
+    fill_end: float  # the fill's terms that no layer count changes: end stages, sends, latencies
+    fill0: float  # the fill's per-layer part at its cheapest split within the caps
+    tail0: float  # a lower bound on the tail of every split
 
 
 def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | None:
-    """`list_bound`'s terms but the bottleneck, or None when the list cannot hold the model."""
+    """`list_bound`'s terms but the tail's per stage (`_tail_terms`: only for the lists that
+    pass the first test), or None when the list cannot hold the model."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     p = sum(o.stages for o in chosen)
     ks = [o.stages for o in chosen]
@@ -350,39 +354,102 @@ def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | 
     # part at least the cheapest split within the memory caps (the cheapest stages filled first)
     cf = np.repeat([o.fill for o in chosen], ks)
     layers = _greedy_fill(cf, np.argsort(cf, kind="stable"), caps, L)
-    fill = float(cf @ layers) + g_first + g_last + 2.0 * sends[1]
     form = ctx.sched.closed_form
-    return _ListParts(caps, np.repeat([o.layer_s for o in chosen], ks), e, form.steady_weight(m, ctx.v),
-                      sends[0] * form.send_factor(ctx.v), fill * (1 - 1e-9) + _tail_lb(chosen, L, 0.0))
+    # the tail: every stage holds a layer, and with each tail_i * l_i <= X the stages hold at
+    # most X * sum_i 1 / tail_i layers
+    inv = sum(k / o.tail1 if o.tail1 > 0 else math.inf for o, k in zip(chosen, ks))
+    tail0 = max(max(o.tail1 for o in chosen), L / inv)
+    return _ListParts(
+        caps, np.repeat([o.layer_s for o in chosen], ks), e, cf, form.steady_weight(m, ctx.v),
+        sends[0] * form.send_factor(ctx.v), g_first + g_last + 2.0 * sends[1], float(cf @ layers), tail0,
+    )
+
+
+_ROUND = 1 - 1e-9  # the bounds' margin for the rounding of the sums they bound
+
+
+def _tail_terms(ctx: Context, b: int, chosen: Sequence[Option]) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, the tail's (dp-reduce + optimizer) seconds per layer, the same at every
+    position (its gradients and optimizer state), and its end terms (the end stages' embedding
+    and head, the update's dispatch)."""
+    ks = [o.stages for o in chosen]
+    p = sum(ks)
+    tl = np.maximum(np.repeat([o.tail1 for o in chosen], ks), 1e-300)
+    te = np.repeat([ctx.terms(b, o, False, False, 1).tail_end for o in chosen], ks)
+    te[-1] = ctx.terms(b, chosen[-1], p == 1, True, 1).tail_end
+    te[0] = ctx.terms(b, chosen[0], True, p == 1, 1).tail_end
+    return tl, te
+
+
+def _least(ctx: Context, b: int, chosen: Sequence[Option], parts: _ListParts, bound: float) -> float:
+    """min over bottlenecks V of (weight * max(V, floor) + fill(V) + tail(V)), or some value
+    >= `bound` when that is not below it:
+
+    a split whose largest c_i * l_i + e_i is V holds l_i <= u_i(V) = min(cap_i,
+    floor((V - e_i) / c_i)) layers on stage i, so its fill is at least the cheapest split
+    within the caps u(V) (cheapest stages first) and its tail at least the least X at which
+    the stages hold L layers with each tl_i * l_i + te_i <= X and l_i <= u_i(V). V runs over
+    the values c_i * l + e_i (the bottlenecks a split can have), up to where weight * V alone
+    with the cheapest fill and tail reaches `bound`."""
+    L = ctx.model.n_layers
+    rest0 = parts.fill_end + parts.fill0 + parts.tail0
+    most = (bound / _ROUND - rest0) / parts.weight if parts.weight > 0 else math.inf
+    if parts.floor >= most or float(_held(parts, most)[0]) < L:
+        return bound  # no bottleneck up to `most` holds the layers: nothing below bound
+    caps, c, e = parts.caps, parts.c, parts.e
+    tl, te = _tail_terms(ctx, b, chosen)
+    groups = _runs(c, e, tl, te)
+    # the candidate bottlenecks: per run of stages that share c and e (a block's inner stages,
+    # each end stage alone), c * l + e up to the run's largest cap
+    V = np.unique(np.concatenate([c[lo] * np.arange(1, caps[lo:hi].max() + 1) + e[lo] for lo, hi in groups]))
+    V = V[V <= most]
+    U = np.minimum(caps[:, None], np.floor((V[None, :] - e[:, None]) / c[:, None] + 1e-9))
+    ok = (U.min(axis=0) >= 1) & (U.sum(axis=0) >= L)
+    if not ok.any():
+        return bound
+    V, U = V[ok], U[:, ok]
+    # the fill: cheapest stages first, each from one layer up to its cap
+    order = np.argsort(parts.cf, kind="stable")
+    extra = U[order] - 1.0
+    before = np.cumsum(extra, axis=0) - extra
+    fill = parts.cf.sum() + parts.cf[order] @ np.clip(L - len(caps) - before, 0.0, extra)
+    tail = _least_tail(tl, te, caps, groups, U, L)
+    return float(((parts.weight * np.maximum(V, parts.floor) + fill + tail).min() + parts.fill_end) * _ROUND)
+
+
+def _runs(*per_stage: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) of the runs of consecutive stages equal in every array of `per_stage`."""
+    keys = np.stack(per_stage)
+    cut = np.nonzero((keys[:, 1:] != keys[:, :-1]).any(axis=0))[0] + 1
+    edges = [0, *cut.tolist(), keys.shape[1]]
+    return list(zip(edges, edges[1:]))
+
+
+def _least_tail(
+    tl: np.ndarray, te: np.ndarray, caps: np.ndarray, groups: list[tuple[int, int]], U: np.ndarray, L: int,
+) -> np.ndarray:
+    """Per column of U (each stage's layer cap, at most `caps`), the least tail X = tl_i * l +
+    te_i at which the stages hold L layers (each at least one): a batched bisection over the
+    sorted values X can take (per run of equal stages in `groups`, up to the run's largest cap)."""
+    X = np.unique(np.concatenate([tl[lo] * np.arange(1, caps[lo:hi].max() + 1) + te[lo] for lo, hi in groups]))
+    X = X[X >= float((tl + te).max())]  # every stage holds a layer
+    lo, hi = np.zeros(U.shape[1], dtype=np.int64), np.full(U.shape[1], len(X) - 1)
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        held = np.minimum(U, np.floor((X[mid][None, :] - te[:, None]) / tl[:, None] + 1e-9)).clip(min=0).sum(axis=0)
+        good = held >= L
+        hi, lo = np.where(good, mid, hi), np.where(good | (lo >= hi), lo, mid + 1)
+    return X[lo]
 
 
 def list_bound(ctx: Context, b: int, chosen: Sequence[Option]) -> float:
     """A lower bound on one stage list's time over every layer split (inf: it cannot hold the
-    model), without building its leaf: like `envelope_bound`, with each position's in-flight
-    memory cap, the end stages' embedding/logits time and the list's sends
-    (`stage_list_sends`: the largest, a floor of the steady state; all of them and their
-    latencies, twice in the fill)."""
+    model), without building its leaf (`_least`): each position's in-flight memory cap, the
+    end stages' embedding/logits time, the list's sends (`stage_list_sends`: the largest, a
+    floor of the steady state; all of them and their latencies, twice in the fill) and the
+    tail, with the fill and the tail of the splits at each bottleneck."""
     parts = _list_parts(ctx, b, chosen)
-    if parts is None:
-        return math.inf
-    caps, c, e, p = parts.caps, parts.c, parts.e, len(parts.caps)
-    # the candidate bottlenecks c_i * l + e_i, l <= cap_i, as one run per group of stages that
-    # share c and e (a block's inner stages; each end stage alone) up to the group's largest
-    # cap: a superset of the breakpoints, so the least one that holds L layers is the same
-    runs, start = [], 0
-    for k in (o.stages for o in chosen):
-        lo, hi = max(start, 1), min(start + k, p - 1)  # the block's inner stages
-        if lo < hi:
-            runs.append(c[lo] * np.arange(1, caps[lo:hi].max() + 1))
-        start += k
-    runs += [c[0] * np.arange(1, caps[0] + 1) + e[0]]
-    if p > 1:
-        runs.append(c[-1] * np.arange(1, caps[-1] + 1) + e[-1])
-    values = np.concatenate(runs)
-    # the least candidate at which the stages hold L layers (held grows with the bottleneck)
-    enough = values[_held(parts, values[None, :]) >= ctx.model.n_layers]
-    bottleneck = float(enough.min()) if len(enough) else float(values.max())
-    return parts.weight * max(bottleneck, parts.floor) * (1 - 1e-9) + parts.rest
+    return math.inf if parts is None else _least(ctx, b, chosen, parts, math.inf)
 
 
 def _held(parts: _ListParts, bottleneck: np.ndarray | float) -> np.ndarray:
@@ -393,31 +460,12 @@ def _held(parts: _ListParts, bottleneck: np.ndarray | float) -> np.ndarray:
 
 
 def list_may_beat(ctx: Context, b: int, chosen: Sequence[Option], bound: float) -> bool:
-    """Whether `list_bound` is below `bound`, without finding the list's least bottleneck: the
-    stages must hold the layers at the bottleneck `bound` leaves after the fill and the tail.
-    (The local search asks this of ~10^4 lists a round, nearly all of which it rejects.)"""
+    """Whether `list_bound` is below `bound`, looking only at the bottlenecks that can be:
+    none when the stages cannot hold the layers at the largest bottleneck the cheapest fill
+    and tail leave under `bound` (the local search asks this of ~10^4 lists a round, nearly
+    all of which fail there)."""
     parts = _list_parts(ctx, b, chosen)
-    if parts is None:
-        return False
-    if bound == math.inf or parts.weight <= 0:
-        return parts.rest < bound
-    most = (bound - parts.rest) / (parts.weight * (1 - 1e-9))  # the largest bottleneck that beats bound
-    return parts.floor < most and float(_held(parts, most)[0]) >= ctx.model.n_layers
-
-
-def _inv_tail(o: Option, L: int) -> float:
-    """sum of 1/(tail per layer) over an option's stages (inf if its tail is free)."""
-    return min(o.stages, L) / o.tail1 if o.tail1 > 0 else math.inf
-
-
-def _tail_lb(chosen: Sequence[Option], L: int, open_inv: float) -> float:
-    """A lower bound on max_i tail_i (dp-reduce + optimizer, tau_i*l_i + end terms >= tau_i*l_i):
-    every stage holds a layer, and with all tau_i*l_i <= X the stages hold at most
-    X * sum_i 1/tau_i layers, so X >= L / sum_i 1/tau_i; the open types add at most
-    `open_inv` to that sum."""
-    one = max((o.tail1 for o in chosen), default=0.0)
-    inv = open_inv + sum(_inv_tail(o, L) for o in chosen)
-    return max(one, L / inv if inv > 0 else 0.0)
+    return parts is not None and _least(ctx, b, chosen, parts, bound) < bound
 
 
 class TopK:
