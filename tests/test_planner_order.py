@@ -162,7 +162,9 @@ def test_the_position_dp_is_the_least_over_every_order(seed):
 def test_the_enumeration_counts_the_layers_each_block_holds_in_its_box():
     """A stage list that cannot hold the L layers within a box's upper corner has no plan in
     that box, so the box's enumeration leaves it to the box its plans are in: the layers each
-    next block holds (its stages' caps at their positions and roles) are the caps' own sum."""
+    next block holds (its stages' caps at their positions and roles) are the caps' own sum,
+    and a block with types left in front of it counts the most their front part holds (a
+    brute force over front parts), so the enumeration stops where no front part can help."""
     from h2jax.planner import dual_search
     from h2jax.planner.space import SearchStats
     from h2jax.planner.split import TopK
@@ -179,10 +181,31 @@ def test_the_enumeration_counts_the_layers_each_block_holds_in_its_box():
         hi = np.append(batch.steady_max, batch.tail_max)
         enum.run(batch.corner(batch.v_feasible, 0.0), hi, 0.0, max_leaves=0)
         L, full = ctx.model.n_layers, (1 << len(enum.tables)) - 1
+
+        def ahead(left: int, q: int) -> float:
+            """The most layers a front part of the types `left` holds at positions q+1, ...
+            (brute force; -inf: none fits)."""
+            best = -math.inf
+            for t in range(len(enum.tables)):
+                if not left >> t & 1:
+                    continue
+                u = enum.u[t]
+                for s in range(enum.tables[t].size):
+                    for k in range(1, min(int(enum.tables[t].k_max[s]), L - q) + 1):
+                        mids = [u[pos.MID, s, q + i] for i in range(k)]
+                        front = mids[:-1] + [u[pos.FIRST, s, q + k - 1]]
+                        if min(front) >= 1:
+                            best = max(best, sum(front))
+                        if min(mids) >= 1 and left & ~(1 << t):
+                            best = max(best, sum(mids) + ahead(left & ~(1 << t), q + k))
+            return best
+
         for q in (0, 1, 2):
-            rel, t2s, ss, ks, fronts, _, most = enum._children(full, q)
+            rel, t2s, ss, ks, fronts, _, most, reach = enum._children(full, q)
             assert len(rel)
-            for t2, s, k, front, held in zip(t2s.tolist(), ss.tolist(), ks.tolist(), fronts.tolist(), most.tolist()):
+            for t2, s, k, front, held, most_with_front in zip(
+                t2s.tolist(), ss.tolist(), ks.tolist(), fronts.tolist(), most.tolist(), reach.tolist()
+            ):
                 u = enum.u[t2]
                 roles = [pos.MID] * k  # positions q+1 .. q+k from the end
                 if q == 0:
@@ -190,4 +213,6 @@ def test_the_enumeration_counts_the_layers_each_block_holds_in_its_box():
                 if front:
                     roles[-1] = pos.ONLY if q == 0 and k == 1 else pos.FIRST
                 assert held == sum(u[r, s, q + i] for i, r in enumerate(roles))
+                # with the most any front part of the other types holds in front of it
+                assert most_with_front == held + (0 if front else ahead(full & ~(1 << t2), q + k))
         checked += 1

@@ -16,7 +16,9 @@ costliest side (so its bound rises); a narrow one (or any box of a micro-batch s
 most RESOLVE_LISTS stage lists) is *resolved*: a depth-first enumeration of the stage lists
 whose Lagrangian bound in the box can still win, blocks from the end of the pipeline, any
 chip type not used yet next, each partial list bounded by its cost so far plus the best
-front completion by the types left (`front_dp`); each list that survives is solved exactly by `best_split` (the real objective,
+front completion by the types left (`front_dp`) and dropped where its stages with the most
+layers any such front part holds (`front_dp` over capacity weights) cannot hold the model in
+the box; each list that survives is solved exactly by `best_split` (the real objective,
 not the thresholds). A plan in the box that beats the incumbent has a list whose bound in
 the box is below it, so that list is solved: when the heap is empty, the incumbent is the
 optimum of the space. Incumbents come from shallow dives of the same enumeration at the
@@ -265,6 +267,8 @@ class _Enumerator:
         self.tables = [t for t, _ in live]
         self.ws = [pos.weights(t, u, np.array([lam])) for t, u in live]
         self.G = pos.front_dp(self.tables, self.ws, L)
+        # the same DP over capacity weights (w = -u): minus the most layers a front part holds
+        self.G_cap = pos.front_dp(self.tables, [pos.weights(t, u, np.zeros(1), capacity=True) for t, u in live], L)
         self.base = float(self.batch.weight @ lo) + lam * L
         # the most layers each stage holds within the box's upper corner (caps per role, shape
         # and position), and the middle stages' prefix sums over positions
@@ -279,8 +283,9 @@ class _Enumerator:
         """The blocks that can come next (in front of the q stages placed), of a type of the
         set `left` (a bit mask), as arrays sorted by their bound less the base and the cost
         behind them (which the caller adds): (that part of the bound, type, shape, stages,
-        is it the front block, its own cost, the most layers its stages hold in the box). The
-        same (left, q) is reached behind many different blocks: made once per run."""
+        is it the front block, its own cost, the most layers its stages hold in the box, and
+        those with the most any front part in front of it holds). The same (left, q) is
+        reached behind many different blocks: made once per run."""
         key = (left, q)
         found = self.memo.get(key)
         if found is not None:
@@ -289,6 +294,7 @@ class _Enumerator:
         parts = []
         for t2 in pos._bits(left):
             table, w, G = self.tables[t2], self.ws[t2], self.G[left & ~(1 << t2)]
+            ahead = -self.G_cap[left & ~(1 << t2)]  # (-inf: no front part)
             if not table.size or q >= L:
                 continue
             K = int(min(table.k_max.max(), L - q))
@@ -314,12 +320,15 @@ class _Enumerator:
             held_front = held - u[pos.MID][:, end - 1] + u[pos.FIRST][:, end - 1]
             if q == 0:
                 held_front[:, 0] = u[pos.ONLY, :, 0]
-            for arr, cost, is_front, most in ((mid_b, mid, False, held), (front_b, front, True, held_front)):
+            for arr, cost, is_front, most, reach in (
+                (mid_b, mid, False, held, held + ahead[end][None, :]), (front_b, front, True, held_front, held_front),
+            ):
                 s_idx, k_idx = np.nonzero(arr < np.inf)
                 parts.append((arr[s_idx, k_idx], np.full(len(s_idx), t2), s_idx, k_idx + 1,
-                              np.full(len(s_idx), is_front), cost[s_idx, k_idx], most[s_idx, k_idx]))
+                              np.full(len(s_idx), is_front), cost[s_idx, k_idx], most[s_idx, k_idx],
+                              reach[s_idx, k_idx]))
         if not parts:
-            found = (np.empty(0),) * 7
+            found = (np.empty(0),) * 8
         else:
             cols = [np.concatenate(c) for c in zip(*parts)]
             order = np.argsort(cols[0], kind="stable")
@@ -340,16 +349,17 @@ class _Enumerator:
         if time.perf_counter() > self.deadline:
             raise OutOfTime
         bound = top.bound
-        for r, t2, s, k, is_front, cost, most in zip(*(c[:n].tolist() for c in found)):
+        for r, t2, s, k, is_front, cost, most, reach in zip(*(c[:n].tolist() for c in found)):
             if base + C + r >= bound or self.leaves_left == 0:
                 return
+            if held + reach < self.L:
+                # a list that cannot hold the L layers within the box's upper corner (whatever
+                # its front part) has no plan in the box: the box its best plan lies in solves it
+                continue
             here = ((t2, s, k),) + blocks
             if is_front:
-                # a list that cannot hold the L layers within the box's upper corner has no plan
-                # in the box: the box its best plan lies in solves it
-                if held + most >= self.L:
-                    self._leaf(here)
-                    bound = top.bound
+                self._leaf(here)
+                bound = top.bound
             elif left & ~(1 << t2):
                 self._visit(left & ~(1 << t2), q + k, C + cost, held + most, here)
                 bound = top.bound
