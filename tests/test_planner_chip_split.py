@@ -11,6 +11,7 @@ import pytest
 
 from h2jax.cluster import ChipGroup, Cluster
 from h2jax.planner import chip_split, plan_cluster
+from h2jax.planner import positions as pos
 from h2jax.planner.search import top_k
 from h2jax.planner.space import Candidate, PlannerError, SearchStats, divisors, make_context
 from test_planner_mixed_shapes import CASES, chip, layout
@@ -94,6 +95,13 @@ def test_a_node_is_a_virtual_cluster_of_two_types_per_chip():
     assert [o.chip for o in real.options] == ["a", "b", "a"] and real.layers == cand.layers
     both = chip_split.as_real(dataclasses.replace(cand, options=(a1, a2, b2)))
     assert [o.chip for o in both.options] == (["a", "b"] if a1.shape == a2.shape else ["a", "a", "b"])
+    # another node whose a#2 and b#2 have the same counts shares their shapes and tables (a
+    # type's are made once per chip count); its a#1 has another count: its own
+    w = chip_split.virtual_context(ctx, {"a": (2, 3), "b": (0, 0)})
+    assert w.type_shapes(4, True)[1:] == v.type_shapes(4, True)[1:]
+    assert all(x is y for x, y in zip(pos.type_tables(w, 4)[1:], pos.type_tables(v, 4)[1:]))
+    (a1_w, *_), (a1_v, *_) = pos.type_tables(w, 4), pos.type_tables(v, 4)
+    assert a1_w is not a1_v and a1_w.k_max.max() < a1_v.k_max.max()  # 3 chips, not 4
 
 
 def test_out_of_time_the_proof_returns_the_best_found_and_a_valid_bound():

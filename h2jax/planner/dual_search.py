@@ -191,11 +191,14 @@ def _root_bound(ctx: Context, b: int) -> tuple[float, float]:
     shapes = ctx.type_shapes(b, prune_unfit=True)
     if not any(shapes):
         return math.inf, math.inf
+    # per type (made once per type and chip count): its envelope and staircase
+    parts = [ctx.per_type("root", name, b, lambda: (Envelope.of_options(opts, L, 1, m), Staircase(*shape_tables(opts, L, 1, m))))
+             for name, opts in zip(ctx.order, shapes)]
     rest = Envelope.zero()
-    for opts in shapes:
-        rest = rest + Envelope.of_options(opts, L, 1, m)
+    for envelope, _ in parts:
+        rest = rest + envelope
     cheapest = min(o.fill for opts in shapes for o in opts)
-    stairs = [Staircase(*shape_tables(opts, L, 1, m)) for opts in shapes]
+    stairs = [stair for _, stair in parts]
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
     return envelope_bound(weight, L, rest, cheapest, stairs), envelope_bottleneck(L, rest)
 
@@ -401,7 +404,8 @@ def _shrink(batch: _Batch, lo: np.ndarray, hi: np.ndarray, gap: float) -> np.nda
 
 
 def search(
-    ctx: Context, micro_batches: Sequence[int], top: TopK, stats: SearchStats, deadline: float = math.inf
+    ctx: Context, micro_batches: Sequence[int], top: TopK, stats: SearchStats, deadline: float = math.inf,
+    dives: int = DIVE_BATCHES,
 ) -> None:
     """Fill `top` with the K best stage lists of the space, exactly; raises OutOfTime (with
     stats.lower_bound_s a valid lower bound on the optimum) when the deadline passes."""
@@ -433,7 +437,7 @@ def search(
 
     # incumbents: shallow dives at the smallest feasible bottleneck of the most promising
     # micro-batch sizes and a few multiples of it
-    for _, v_bal, b in pending[:DIVE_BATCHES]:
+    for _, v_bal, b in pending[:dives]:
         batch = build(b, v_bal, bracket=True)
         if batch is None or batch.lists <= RESOLVE_LISTS:  # a small space: its root is resolved
             continue

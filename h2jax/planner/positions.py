@@ -79,50 +79,53 @@ def type_tables(ctx, b: int) -> list[TypeTable]:
     """Per chip type (pipeline order), its shapes' arrays at micro-batch b (positions: the
     schedule's least in-flight activations at position j from the end, over every pipeline
     length: 1F1B min(j, m), GPipe m; the deferred-W gradients of ZB-H1 left out, so the caps
-    are upper bounds)."""
+    are upper bounds). Each made once per type and chip count (`Context.per_type`)."""
+    shapes = ctx.type_shapes(b, prune_unfit=True)
+    return [ctx.per_type("table", name, b, lambda: _type_table(ctx, b, opts)) for name, opts in zip(ctx.order, shapes)]
+
+
+def _type_table(ctx, b: int, shapes) -> TypeTable:
+    """One chip type's table (`type_tables`) of its shapes at micro-batch b."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     sched, v = ctx.sched, ctx.v
     form = sched.closed_form
     in_flight = np.array([sched.position_in_flight(j, m, v) for j in range(1, L + 1)])
     K = len(form.steady)
     scale = form.fill_scale(v)
-    out = []
-    for shapes in ctx.type_shapes(b, prune_unfit=True):
-        # by most stages: shapes of one k_max are then one slice for the DP's window minima
-        shapes = sorted(shapes, key=lambda o: min(o.stages, L))
-        S = len(shapes)
-        a, tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(6))
-        end_time, end_tail = np.zeros((4, S)), np.zeros((4, S))
-        steady_a, steady_end = np.zeros((K, S)), np.zeros((K, 4, S))
-        mems = []  # per shape, per role
-        for i, o in enumerate(shapes):
-            chip = ctx.chips[o.chip]
-            for role, (first, last) in enumerate(ROLE_FLAGS):
-                t = ctx.terms(b, o, first, last, 1)
-                ends = np.array([t.fwd_end, t.bwd_end, t.bwd_weight_end])
-                end_time[role, i] = scale * np.dot(form.fill_last if last else form.fill, ends)
-                steady_end[:, role, i] = [np.dot(k, ends) for k in form.steady]
-                end_tail[role, i] = t.tail_end
-                mems.append(t.mem)
-                if role == MID:
-                    layer = np.array([t.fwd_layer, t.bwd_layer, t.bwd_weight_layer])
-                    a[i] = scale * min(np.dot(form.fill, layer), np.dot(form.fill_last, layer))
-                    tl[i] = t.tail_layer
-                    steady_a[:, i] = [np.dot(k, layer) for k in form.steady]
-            nbytes = b * ctx.seq_len * ctx.model.d_model * cm.dtype_bytes(chip.precision.compute_dtype)
-            fast, slow = send_rates(cm.calibrated(chip, ctx.profile), o.data * o.tensor)
-            nb[i], rho[i], own[i] = nbytes, slow, nbytes * fast
-            kmax[i] = min(o.stages, L)
-        # the fit test's caps at each position's in-flight count (no deferred-W gradients)
-        memcap = np.zeros((4, S, L), dtype=cap_dtype(L))
-        if mems:
-            caps = StageMemoryTerms.stacked(mems).max_layers(in_flight[None, :], deferred=0)
-            memcap = np.ascontiguousarray(clip_caps(caps, L).reshape(S, 4, L).transpose(1, 0, 2))
-        out.append(TypeTable(
-            list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
-            steady_a, steady_end,
-        ))
-    return out
+    # by most stages: shapes of one k_max are then one slice for the DP's window minima
+    shapes = sorted(shapes, key=lambda o: min(o.stages, L))
+    S = len(shapes)
+    a, tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(6))
+    end_time, end_tail = np.zeros((4, S)), np.zeros((4, S))
+    steady_a, steady_end = np.zeros((K, S)), np.zeros((K, 4, S))
+    mems = []  # per shape, per role
+    for i, o in enumerate(shapes):
+        chip = ctx.chips[o.chip]
+        for role, (first, last) in enumerate(ROLE_FLAGS):
+            t = ctx.terms(b, o, first, last, 1)
+            ends = np.array([t.fwd_end, t.bwd_end, t.bwd_weight_end])
+            end_time[role, i] = scale * np.dot(form.fill_last if last else form.fill, ends)
+            steady_end[:, role, i] = [np.dot(k, ends) for k in form.steady]
+            end_tail[role, i] = t.tail_end
+            mems.append(t.mem)
+            if role == MID:
+                layer = np.array([t.fwd_layer, t.bwd_layer, t.bwd_weight_layer])
+                a[i] = scale * min(np.dot(form.fill, layer), np.dot(form.fill_last, layer))
+                tl[i] = t.tail_layer
+                steady_a[:, i] = [np.dot(k, layer) for k in form.steady]
+        nbytes = b * ctx.seq_len * ctx.model.d_model * cm.dtype_bytes(chip.precision.compute_dtype)
+        fast, slow = send_rates(cm.calibrated(chip, ctx.profile), o.data * o.tensor)
+        nb[i], rho[i], own[i] = nbytes, slow, nbytes * fast
+        kmax[i] = min(o.stages, L)
+    # the fit test's caps at each position's in-flight count (no deferred-W gradients)
+    memcap = np.zeros((4, S, L), dtype=cap_dtype(L))
+    if mems:
+        caps = StageMemoryTerms.stacked(mems).max_layers(in_flight[None, :], deferred=0)
+        memcap = np.ascontiguousarray(clip_caps(caps, L).reshape(S, 4, L).transpose(1, 0, 2))
+    return TypeTable(
+        list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
+        steady_a, steady_end,
+    )
 
 
 def cap_dtype(L: int) -> type:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -175,6 +175,9 @@ class Context:
     _sends: dict = dataclasses.field(default_factory=dict)
     _options: dict = dataclasses.field(default_factory=dict)
     _caps: dict = dataclasses.field(default_factory=dict)
+    # per chip type and its chip count, what is built of its shapes at a micro-batch size
+    # (`per_type`): a virtual context (chip_split.py) with a type of the same count shares it
+    _per_type: dict = dataclasses.field(default_factory=dict)
 
     @property
     def sched(self) -> Schedule:
@@ -265,37 +268,46 @@ class Context:
             out.append(blocks)
         return out
 
+    def per_type(self, kind: str, name: str, b: int, make: Callable[[], Any]) -> Any:
+        """`make()`, made once per kind, chip type (its name and chip count) and micro-batch size."""
+        key = (kind, name, self.counts[name], b)
+        if key not in self._per_type:
+            self._per_type[key] = make()
+        return self._per_type[key]
+
     def type_shapes(self, b: int, prune_unfit: bool) -> list[list[Option]]:
         """Per chip type, one option per shape (D, T, r) with its most stages, min(L, chips // D*T):
         all the bounds need (they see a shape through its largest k). Cached."""
         key = ("shapes", b, prune_unfit)
-        if key in self._options:
-            return self._options[key]
-        L = self.model.n_layers
-        out = []
-        for name in self.order:
-            chip, count = self.chips[name], self.counts[name]
-            opts = []
-            for t in tensor_sizes(self.model, chip):
-                for d in divisors(b):
-                    if d * t > count:
-                        break
-                    for r in self.recompute:
-                        probe = Option(name, 1, d, t, r, 0.0)
-                        mid = self.terms(b, probe, False, False, 1)
-                        most = mid.mem.max_layers()
-                        if prune_unfit and most < 1:
-                            continue
-                        c = mid.fwd_layer + mid.bwd_layer
-                        cap1 = min(L, most)
-                        fill = min(self.fill_terms(mid, False)[0], self.fill_terms(mid, True)[0])
-                        opts.append(Option(
-                            name, min(L, count // (d * t)), d, t, r, c, mid.mem, cap1, mid.tail_layer, fill,
-                        ))
-            out.append(opts)
-        self._options[key] = out
-        return out
+        if key not in self._options:
+            self._options[key] = [
+                self.per_type(f"shapes{prune_unfit:d}", name, b, lambda: self._shapes_of(name, b, prune_unfit))
+                for name in self.order
+            ]
+        return self._options[key]
 
+    def _shapes_of(self, name: str, b: int, prune_unfit: bool) -> list[Option]:
+        """One chip type's shapes (`type_shapes`) at micro-batch b."""
+        L = self.model.n_layers
+        chip, count = self.chips[name], self.counts[name]
+        opts = []
+        for t in tensor_sizes(self.model, chip):
+            for d in divisors(b):
+                if d * t > count:
+                    break
+                for r in self.recompute:
+                    probe = Option(name, 1, d, t, r, 0.0)
+                    mid = self.terms(b, probe, False, False, 1)
+                    most = mid.mem.max_layers()
+                    if prune_unfit and most < 1:
+                        continue
+                    c = mid.fwd_layer + mid.bwd_layer
+                    cap1 = min(L, most)
+                    fill = min(self.fill_terms(mid, False)[0], self.fill_terms(mid, True)[0])
+                    opts.append(Option(
+                        name, min(L, count // (d * t)), d, t, r, c, mid.mem, cap1, mid.tail_layer, fill,
+                    ))
+        return opts
 
 
 def micro_batches_of(global_batch: int, requested: Iterable[int] | None) -> list[int]:
