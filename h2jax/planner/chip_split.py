@@ -19,7 +19,8 @@ within the types' chips (u1 + u2 <= hi + C_t - lo = C_t), so the halving ends.
 Nodes go best bound first (a half inherits its node's bound, the root's 0, or the bound the
 exact search reached when the time ran out). A virtual type's shapes, tables and root bounds
 are made once per chip count and shared by every node (`Context.per_type`); a node's search
-dives for incumbents at one micro-batch size (the best so far seeds it). When none is left below the best plan, that
+does not dive for incumbents (the best so far seeds it; on the 768-chip cluster the proof
+then reaches a tighter bound in the same time). When none is left below the best plan, that
 plan is the optimum of the two-shape space. The relaxation is loose where a few chips more
 make a stage fit (on the 64-chip cluster, llama-100b, the root's virtual optimum is 39 %
 under the real one), so the proof takes many nodes: it is for small clusters, and reports a
@@ -40,7 +41,7 @@ from h2jax.planner.mixed_shapes import merged
 from h2jax.planner.space import Candidate, Context, SearchStats
 from h2jax.planner.split import OutOfTime, TopK
 
-NODE_DIVES = 1  # a node search's dives for incumbents (the best so far seeds it; dual_search.DIVE_BATCHES)
+NODE_DIVES = 0  # a node search's dives for incumbents (dual_search.DIVE_BATCHES): none, the best so far seeds it
 SEP = "#"  # virtual type names: "<chip>#1", "<chip>#2"
 
 
