@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=30, help="random small clusters")
     parser.add_argument("--two-shape-cases", type=int, default=150,
                         help="random tiny clusters on which the two-shape local search meets the exhaustive")
-    parser.add_argument("--proof-time-limit", type=float, default=180.0,
+    parser.add_argument("--proof-time-limit", type=float, default=420.0,
                         help="the exact two-shape search on the 64- and 768-chip clusters, each within this (s; 0: skip)")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")

@@ -156,7 +156,7 @@ def test_the_position_dp_is_the_least_over_every_order(seed):
             for A in range(1, 1 << len(live)):
                 for q in range(1, L):
                     want = _brute(live, ws, L, back_q=q, allowed=A)
-                    assert G[A][q] == pytest.approx(want, rel=1e-12, abs=1e-15), (A, q)
+                    assert G[A][0, q] == pytest.approx(want, rel=1e-12, abs=1e-15), (A, q)
 
 
 def test_the_enumeration_counts_the_layers_each_block_holds_in_its_box():

@@ -268,10 +268,12 @@ class _Enumerator:
         L = self.L
         live = pos.live_tables(self.batch.tables, hi[None, :-1], hi[-1:])
         self.tables = [t for t, _ in live]
-        self.ws = [pos.weights(t, u, np.array([lam])) for t, u in live]
-        self.G = pos.front_dp(self.tables, self.ws, L)
-        # the same DP over capacity weights (w = -u): minus the most layers a front part holds
-        self.G_cap = pos.front_dp(self.tables, [pos.weights(t, u, np.zeros(1), capacity=True) for t, u in live], L)
+        # two rows: lambda's weights, and the capacity weights w = -u (the front DP's second
+        # row is minus the most layers a front part holds)
+        self.ws = [pos.weights(t, u, np.array([lam, 0.0]), np.zeros(2, dtype=np.int64), np.array([False, True]))
+                   for t, u in live]
+        G = pos.front_dp(self.tables, self.ws, L)
+        self.G, self.G_cap = [g[0] for g in G], [g[1] for g in G]
         self.base = float(self.batch.weight @ lo) + lam * L
         # the most layers each stage holds within the box's upper corner (caps per role, shape
         # and position), and the middle stages' prefix sums over positions

@@ -413,37 +413,38 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
 
 
 def _front_step(table: TypeTable, w: Weights, g: np.ndarray, L: int) -> np.ndarray:
-    """(n, L+2) per row of g (n, L+2): the least cost, for q = 1..L, of a front part whose
-    block nearest the end is of this type at positions q+1, ... and whose types in front of
-    that block cost g."""
-    Wm, first, mid_ok = w.Wm[0], w.first[0], w.mid_ok[0]  # (S, L+1)
+    """(n, R, L+2) per row of g (n, R, L+2) (R: the weights' rows): the least cost, for q =
+    1..L, of a front part whose block nearest the end is of this type at positions q+1, ...
+    and whose types in front of that block cost g."""
+    Wm, first, mid_ok = w.Wm, w.first, w.mid_ok  # (R, S, L+1)
     # X[j]: blocks ending at position j with more types in front; Y[j]: the block is the front
-    X = np.where(mid_ok, Wm + g[:, None, : L + 1], np.inf)
+    X = np.where(mid_ok, Wm + g[:, :, None, : L + 1], np.inf)
     Y = np.full(Wm.shape, np.inf)
-    Y[:, 1:] = np.where(mid_ok[:, :L], Wm[:, :L] + first[:, 1:], np.inf)
+    Y[..., 1:] = np.where(mid_ok[..., :L], Wm[..., :L] + first[..., 1:], np.inf)
     Z = np.minimum(X, Y)
     # the block ends at a position in q+1 .. q+k_max: a window ending at index L-q-1 of Z
     # reversed (positions L .. 0)
-    ahead = _window_min(Z[..., ::-1], table.k_max)  # (n, S, L+1)
-    best = np.full((len(g), table.size, L), np.inf)  # q = 1..L (none fits in front of q = L)
+    ahead = _window_min(Z[..., ::-1], table.k_max)  # (n, R, S, L+1)
+    best = np.full(ahead.shape[:-1] + (L,), np.inf)  # q = 1..L (none fits in front of q = L)
     if L > 1:
         best[..., : L - 1] = ahead[..., L - 2:: -1]
-    out = np.full((len(g), L + 2), np.inf)
-    out[:, 1: L + 1] = (best - Wm[:, 1:]).min(axis=1)
+    out = np.full(g.shape, np.inf)
+    out[..., 1: L + 1] = (best - Wm[..., 1:]).min(axis=-2)
     return out
 
 
 def front_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int) -> list[np.ndarray]:
-    """G[A][q] (row 0), A a bit mask over `tables`: the least cost of a nonempty front part
-    made of distinct types of A, in any order, whose stages sit at positions q+1, q+2, ...
-    (q >= 1 stages behind it), its first stage in front. By number of types: G[A] from the
-    G[A minus t] of the level below, one batched step per type."""
+    """G[A][r, q] per row r of the weights, A a bit mask over `tables`: the least cost of a
+    nonempty front part made of distinct types of A, in any order, whose stages sit at
+    positions q+1, q+2, ... (q >= 1 stages behind it), its first stage in front. By number
+    of types: G[A] from the G[A minus t] of the level below, one batched step per type."""
     T = len(tables)
+    R = ws[0].Wm.shape[0] if ws else 1
     G: list[np.ndarray | None] = [None] * (1 << T)
-    G[0] = np.full(L + 2, np.inf)
+    G[0] = np.full((R, L + 2), np.inf)
     for level in range(1, T + 1):
         masks = [A for A in range(1, 1 << T) if A.bit_count() == level]
-        best = np.full((len(masks), L + 2), np.inf)
+        best = np.full((len(masks), R, L + 2), np.inf)
         for t in range(T):
             rows = [i for i, A in enumerate(masks) if A >> t & 1]
             if not rows:
