@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
                         "proves optimal; by default a local search then tries two shapes per type")
     p.add_argument("--prove-two-shapes", action="store_true",
                    help="prove the plan optimal among plans with up to two shapes per chip type (branch and bound "
-                        "over how each type's chips split between its blocks; small clusters, within --time-limit)")
+                        "over how each type's chips split between its blocks; minutes on hundreds of chips: raise --time-limit)")
     p.add_argument("--profile", help="measured profile (from `h2jax profile`) to use instead of the analytical model")
     p.add_argument("--top-k", type=int, default=1, help="keep the K best stage lists (listed with --json)")
     p.add_argument("--refine-with-sim", type=int, default=None, metavar="K",

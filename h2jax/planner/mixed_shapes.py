@@ -10,7 +10,7 @@ on a shape no other shape of its chip beats on every count (`undominated`), solv
 list's layer split exactly (`split.solve`, which skips a list its bounds show cannot win)
 and moves to the best until no move improves it (`climb`). The result is at least as fast as
 the one-shape optimum; it is not proved optimal among two-shape plans (chip_split.prove
-proves that, on small clusters; `--exhaustive` enumerates them: docs/planner.md, "Two
+proves that, in minutes on hundreds of chips; `--exhaustive` enumerates them: docs/planner.md, "Two
 shapes per chip type").
 """
 
