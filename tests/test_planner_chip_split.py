@@ -115,6 +115,29 @@ def test_out_of_time_the_proof_returns_the_best_found_and_a_valid_bound():
     assert st.two_shape_lower_bound_s <= full.time_s
 
 
+def test_a_one_shape_search_out_of_time_leaves_the_proofs_valid_bound(monkeypatch, capsys):
+    """When the time runs out in the one-shape search, the proof still reports (not proved,
+    the root's bound) and `h2jax plan` prints it (it used to meet no bound and fail)."""
+    from h2jax.cli.plan import print_table
+    from h2jax.planner import dual_search
+    from h2jax.planner.split import OutOfTime
+
+    real = dual_search.search
+
+    def out_of_time(ctx, mbs, top, stats, deadline=math.inf, **kw):  # finds its plans, then the time is up
+        real(ctx, mbs, top, stats, math.inf, **kw)
+        raise OutOfTime
+
+    monkeypatch.setattr(dual_search, "search", out_of_time)
+    result = plan_cluster(APART, "tiny", 32, 2, schedule="gpipe", baselines=False, prove_two_shapes=True,
+                          time_limit_s=1e-9)
+    pred = result.plan.predicted
+    assert pred["proved_optimal"] is False and pred["two_shapes_proved"] is False
+    assert 0.0 <= pred["two_shape_lower_bound_s"] <= pred["step_time_s"]
+    print_table(result, APART, None)
+    assert "two shapes per type NOT proved within the time limit" in capsys.readouterr().out
+
+
 def test_plan_reports_the_two_shape_proof(capsys):
     from h2jax.cli.plan import print_table
 

@@ -360,11 +360,8 @@ def _top_k_one(
         if mixed_shapes and found:
             stats.one_shape_time_s = found[0].time_s
             better = refine(ctx, found[:REFINE_STARTS], mbs, stats, deadline)
-            if prove_two_shapes:
-                if stats.proved_optimal:  # (else the time is up already)
-                    better = chip_split.prove(ctx, mbs, better, stats, deadline)
-                else:
-                    stats.two_shapes_proved = False
+            if prove_two_shapes:  # (out of time already where the one-shape search was: the root's bound)
+                better = chip_split.prove(ctx, mbs, better, stats, deadline)
             found = [better] + [c for c in found if c is not better][: k - 1]
     stats.search_time_s = time.perf_counter() - t0
     if not found and not stats.proved_optimal:
