@@ -192,8 +192,10 @@ def _root_bound(ctx: Context, b: int) -> tuple[float, float]:
     if not any(shapes):
         return math.inf, math.inf
     # per type (made once per type and chip count): its envelope and staircase
-    parts = [ctx.per_type("root", name, b, lambda: (Envelope.of_options(opts, L, 1, m), Staircase(*shape_tables(opts, L, 1, m))))
-             for name, opts in zip(ctx.order, shapes)]
+    parts = [
+        ctx.per_type("root", name, b, lambda: (Envelope.of_options(opts, L, 1, m), Staircase(*shape_tables(opts, L, 1, m))))
+        for name, opts in zip(ctx.order, shapes)
+    ]
     rest = Envelope.zero()
     for envelope, _ in parts:
         rest = rest + envelope

@@ -330,6 +330,7 @@ class _ListParts:
     fill_end: float  # the fill's terms that no layer count changes: end stages, sends, latencies
     fill0: float  # the fill's per-layer part at its cheapest split within the caps
     tail0: float  # a lower bound on the tail of every split
+    end_tails: tuple[float, float]  # the first and the last stage's tail end terms (embedding, head)
 
 
 def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | None:
@@ -362,22 +363,21 @@ def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | 
     return _ListParts(
         caps, np.repeat([o.layer_s for o in chosen], ks), e, cf, form.steady_weight(m, ctx.v),
         sends[0] * form.send_factor(ctx.v), g_first + g_last + 2.0 * sends[1], float(cf @ layers), tail0,
+        (first.tail_end, last.tail_end),
     )
 
 
 _ROUND = 1 - 1e-9  # the bounds' margin for the rounding of the sums they bound
 
 
-def _tail_terms(ctx: Context, b: int, chosen: Sequence[Option]) -> tuple[np.ndarray, np.ndarray]:
+def _tail_terms(ctx: Context, b: int, chosen: Sequence[Option], parts: _ListParts) -> tuple[np.ndarray, np.ndarray]:
     """Per stage, the tail's (dp-reduce + optimizer) seconds per layer, the same at every
     position (its gradients and optimizer state), and its end terms (the end stages' embedding
     and head, the update's dispatch)."""
     ks = [o.stages for o in chosen]
-    p = sum(ks)
     tl = np.maximum(np.repeat([o.tail1 for o in chosen], ks), 1e-300)
     te = np.repeat([ctx.terms(b, o, False, False, 1).tail_end for o in chosen], ks)
-    te[-1] = ctx.terms(b, chosen[-1], p == 1, True, 1).tail_end
-    te[0] = ctx.terms(b, chosen[0], True, p == 1, 1).tail_end
+    te[-1], te[0] = parts.end_tails[1], parts.end_tails[0]
     return tl, te
 
 
@@ -397,7 +397,7 @@ def _least(ctx: Context, b: int, chosen: Sequence[Option], parts: _ListParts, bo
     if parts.floor >= most or float(_held(parts, most)[0]) < L:
         return bound  # no bottleneck up to `most` holds the layers: nothing below bound
     caps, c, e = parts.caps, parts.c, parts.e
-    tl, te = _tail_terms(ctx, b, chosen)
+    tl, te = _tail_terms(ctx, b, chosen, parts)
     groups = _runs(c, e, tl, te)
     # the candidate bottlenecks: per run of stages that share c and e (a block's inner stages,
     # each end stage alone), c * l + e up to the run's largest cap
