@@ -4,17 +4,22 @@ chips split between its two blocks, against the exhaustive two-shape enumeration
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
+from pathlib import Path
 
 import pytest
 
-from h2jax.cluster import ChipGroup, Cluster
-from h2jax.planner import chip_split, plan_cluster
+from h2jax.cluster import ChipGroup, Cluster, load_cluster
+from h2jax.planner import chip_split, dual_search, plan_cluster
 from h2jax.planner import positions as pos
 from h2jax.planner.search import top_k
 from h2jax.planner.space import Candidate, PlannerError, SearchStats, divisors, make_context
+from h2jax.planner.split import TopK
 from test_planner_mixed_shapes import CASES, chip, layout
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def random_cluster(rng: random.Random) -> Cluster:
@@ -153,3 +158,55 @@ def test_plan_reports_the_two_shape_proof(capsys):
     print_table(result, APART, None)
     out = capsys.readouterr().out
     assert "two shapes per type NOT proved within the time limit" in out and "at least 0.0123 s" in out
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopAt(TopK):
+    """A top 1 that ends the search at its n-th push (before taking the plan in)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(1)
+        self.n = n
+
+    def push(self, cand: Candidate) -> None:
+        self.n -= 1
+        if self.n == 0:
+            raise _Stop
+        super().push(cand)
+
+
+@pytest.mark.parametrize("h100s", [32, 20])
+def test_a_search_started_from_the_boxes_another_left_finds_the_same_optimum(h100s):
+    """A search of the 64-chip cluster stopped at its n-th push (n = 1, 2, ...: every stop it
+    has) leaves its open boxes; a search of the same space, or of one inside it (fewer
+    chips of a type: what the proof's children have), started from them with the plans found
+    so far reaches the optimum a fresh search reaches, and its bound never exceeds it."""
+    cluster = load_cluster(REPO / "plans" / "cluster-64.toml")
+    parent = make_context(cluster, "llama-100b", 4096, 2048)
+    child = make_context(Cluster(tuple(ChipGroup(g.chip, h100s if g.chip.name == "nvidia-h100" else g.count)
+                                       for g in cluster.groups)), "llama-100b", 4096, 2048)
+    mbs = divisors(2048)
+    stops = 0
+    for n in itertools.count(1):
+        stopped, left = _StopAt(n), []
+        try:
+            dual_search.search(parent, mbs, stopped, SearchStats(), dives=0, left=left)
+        except _Stop:
+            pass
+        else:
+            break  # the whole search took fewer pushes
+        stops += 1
+        assert left  # (the box being resolved, at least)
+        fresh, resumed = TopK(1), TopK(1)
+        for c in stopped.sorted():  # the plans found before the stop seed both
+            fresh.push(c)
+            resumed.push(c)
+        dual_search.search(child, mbs, fresh, SearchStats(), dives=0)
+        st = SearchStats()
+        dual_search.search(child, mbs, resumed, st, dives=0, start=left)
+        assert resumed.sorted()[0].time_s == pytest.approx(fresh.sorted()[0].time_s, rel=1e-12)
+        assert st.lower_bound_s <= fresh.sorted()[0].time_s * (1 + 1e-12)
+    assert stops >= 3

@@ -398,6 +398,7 @@ class _Box:
     lam: float | None = dataclasses.field(compare=False)
     b: int = dataclasses.field(compare=False, default=0)
     v_balance: float = dataclasses.field(compare=False, default=0.0)
+    fresh: bool = dataclasses.field(compare=False, default=True)  # bounded with this search's tables
 
 
 def _shrink(batch: _Batch, lo: np.ndarray, hi: np.ndarray, gap: float) -> np.ndarray:
@@ -409,10 +410,17 @@ def _shrink(batch: _Batch, lo: np.ndarray, hi: np.ndarray, gap: float) -> np.nda
 
 def search(
     ctx: Context, micro_batches: Sequence[int], top: TopK, stats: SearchStats, deadline: float = math.inf,
-    dives: int = DIVE_BATCHES,
+    dives: int = DIVE_BATCHES, start: Sequence[_Box] | None = None, left: list[_Box] | None = None,
 ) -> None:
     """Fill `top` with the K best stage lists of the space, exactly; raises OutOfTime (with
-    stats.lower_bound_s a valid lower bound on the optimum) when the deadline passes."""
+    stats.lower_bound_s a valid lower bound on the optimum) when the deadline passes.
+
+    `start`: the boxes another search left open (its `left`) in a space that holds this one,
+    with a `top` no lower than this one's: every plan of this space that can beat `top`
+    lies in one of them (at least their bounds), so the search starts from them instead of
+    its micro-batch sizes' roots (and makes no dives). `left`: where an exception (OutOfTime,
+    or the caller's `top` ending the search) leaves the boxes still open: those on the heap,
+    those being split and the one being resolved."""
     L = ctx.model.n_layers
     solved: set = set()
     counter = itertools.count()
@@ -423,11 +431,19 @@ def search(
             raise OutOfTime
         return _root_bound(ctx, b) + (b,)
 
-    pending = sorted((root(b) for b in micro_batches), key=lambda r: r[0])
-    pending = [r for r in pending if math.isfinite(r[0])]
-    if not pending:
-        return
-    stats.lower_bound_s = pending[0][0]
+    if start is not None:
+        pending, dives = [], 0
+        if not start:
+            return
+        heap = [dataclasses.replace(box, order=next(counter)) for box in start]
+        heapq.heapify(heap)
+        stats.lower_bound_s = heap[0].lb
+    else:
+        pending = sorted((root(b) for b in micro_batches), key=lambda r: r[0])
+        pending = [r for r in pending if math.isfinite(r[0])]
+        if not pending:
+            return
+        stats.lower_bound_s = pending[0][0]
     batches: dict[int, _Batch | None] = {}
 
     def build(b: int, v_balance: float, bracket: bool = False) -> _Batch | None:
@@ -458,7 +474,8 @@ def search(
         for (lo, hi, _), (fill, lam) in zip(boxes, found):
             lb = float(batch.weight @ lo) + fill
             if lb < top.bound:
-                heapq.heappush(heap, _Box(lb, next(counter), batch, lo, _shrink(batch, lo, hi, top.bound - lb), lam))
+                heapq.heappush(heap, _Box(lb, next(counter), batch, lo, _shrink(batch, lo, hi, top.bound - lb), lam,
+                                          batch.b))
 
     def root(batch: _Batch) -> None:
         live = [t for t in batch.tables if t.size]
@@ -475,23 +492,28 @@ def search(
         heapq.heappush(heap, _Box(lb, next(counter), None, None, None, None, b, v_bal))
     while heap:
         generation: dict[int, tuple[_Batch, list]] = {}  # per micro-batch size, boxes to bound
-        open_lbs: list[float] = []
+        open_boxes: list[_Box] = []  # popped, not done with: being split or resolved
         try:
             while heap and len(generation) < GENERATION and sum(len(v[1]) for v in generation.values()) < 2 * GENERATION:
                 box = heapq.heappop(heap)
                 if box.lb >= top.bound:
                     heap.clear()  # every box left is at least as bad
                     break
-                open_lbs.append(box.lb)
+                open_boxes.append(box)
                 if time.perf_counter() > deadline:
                     raise OutOfTime
-                if box.batch is None:  # a micro-batch size whose turn has come: its root box
+                if box.batch is None:  # a micro-batch size whose turn has come, or a box of `start`
                     batch = build(box.b, box.v_balance)
-                    if batch is not None:
-                        root(batch)
-                    open_lbs.pop()
-                    continue
+                    if box.lo is None or batch is None:
+                        if batch is not None:
+                            root(batch)
+                        open_boxes.pop()
+                        continue
+                    box = open_boxes[-1] = dataclasses.replace(box, batch=batch)
                 batch = box.batch
+                if not box.fresh:  # a box of `start`: bounded again, with this search's tables, first
+                    generation.setdefault(batch.b, (batch, []))[1].append((box.lo, box.hi, box.lam))
+                    continue
                 gap = top.bound - box.lb  # the incumbent may have improved since the push
                 lo, hi = box.lo, _shrink(batch, box.lo, box.hi, gap)
                 widths = batch.weight * (hi - lo)
@@ -499,7 +521,7 @@ def search(
                     widths.sum() <= RESOLVE_WIDTH * top.bound
                 ) or batch.lists <= RESOLVE_LISTS:
                     _Enumerator(ctx, batch, top, stats, solved, deadline).run(lo, hi, box.lam)
-                    open_lbs.pop()
+                    open_boxes.pop()
                     continue
                 d = int(np.argmax(widths))  # halve the costliest side
                 mid = 0.5 * (lo[d] + hi[d])
@@ -511,7 +533,11 @@ def search(
             for batch, children in generation.values():
                 push_all(batch, children)
         except Exception:  # OutOfTime, or a caller's `top` ending the search (chip_split): the bound so far
-            stats.lower_bound_s = min([*open_lbs, *(b.lb for b in heap)], default=top.bound)
+            stats.lower_bound_s = min([*(b.lb for b in open_boxes), *(b.lb for b in heap)], default=top.bound)
+            if left is not None:  # (another context's search builds its own tables)
+                left.extend(dataclasses.replace(b, batch=None, v_balance=b.batch.v_feasible if b.batch else b.v_balance,
+                                                fresh=False)
+                            for b in [*open_boxes, *heap])
             stats.bound_rows = sum(b.rows for b in batches.values() if b is not None)
             raise
     if top.heap:
