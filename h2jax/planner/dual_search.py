@@ -111,10 +111,10 @@ def _bounds(
     """Per box corner (its thresholds, steady components then tail): (fill bound, lambda).
     Any lambda gives a valid bound, the best one the tightest: a known good `centers[i]` (the
     parent box's) alone, then, unless that already reaches `enough[i]` (the box is dropped at
-    that bound: most children of a split are), a step either side of it, then, where the
-    best was a step, wider steps beyond it, then farther ones while the farthest still wins
-    (up to LAMBDA_ROUNDS rounds in all); without a center, a coarse grid, then a finer grid
-    between its best point's neighbours. Each round is one batched DP."""
+    that bound: most children of a split are; -inf: the center alone), a step either side
+    of it, then, where the best was a step, wider steps beyond it, then farther ones while
+    the farthest still wins (up to LAMBDA_ROUNDS rounds in all); without a center, a coarse
+    grid, then a finer grid between its best point's neighbours. Each round is one batched DP."""
     enough = [math.inf] * len(corners) if enough is None else enough
     cand = [np.array([c]) if c is not None and c > 0 else batch.lam_grid for c in centers]
     stage = ["center" if c is not None and c > 0 else "grid" for c in centers]
@@ -468,10 +468,12 @@ def search(
             if math.isfinite(lb):
                 enum.run(batch.corner(batch.v_feasible, 0.0), hi, lam_f, max_leaves=DIVE_LEAVES)
 
-    def push_all(batch: _Batch, boxes: list[tuple[np.ndarray, np.ndarray, float | None]]) -> None:
-        found = _bounds(batch, L, [hi for _, hi, _ in boxes], [lam for _, _, lam in boxes],
-                        [top.bound - float(batch.weight @ lo) for lo, _, _ in boxes])
-        for (lo, hi, _), (fill, lam) in zip(boxes, found):
+    def push_all(batch: _Batch, boxes: list[tuple[np.ndarray, np.ndarray, float | None, bool]]) -> None:
+        """Bound boxes (lo, hi, lambda to start from, whether that lambda alone will do: a box
+        of `start` bounded again, its lambda already tuned to it) and push those that can win."""
+        found = _bounds(batch, L, [hi for _, hi, _, _ in boxes], [lam for _, _, lam, _ in boxes],
+                        [-math.inf if alone else top.bound - float(batch.weight @ lo) for lo, _, _, alone in boxes])
+        for (lo, hi, _, _), (fill, lam) in zip(boxes, found):
             lb = float(batch.weight @ lo) + fill
             if lb < top.bound:
                 heapq.heappush(heap, _Box(lb, next(counter), batch, lo, _shrink(batch, lo, hi, top.bound - lb), lam,
@@ -486,7 +488,7 @@ def search(
         if top.heap:  # what the incumbent allows: sum of weight * lo <= its time
             hi = _shrink(batch, lo, hi, top.bound - float(batch.weight @ lo))
         if (hi > lo).all():
-            push_all(batch, [(lo, hi, None)])
+            push_all(batch, [(lo, hi, None, False)])
 
     for lb, v_bal, b in pending:
         heapq.heappush(heap, _Box(lb, next(counter), None, None, None, None, b, v_bal))
@@ -511,8 +513,8 @@ def search(
                         continue
                     box = open_boxes[-1] = dataclasses.replace(box, batch=batch)
                 batch = box.batch
-                if not box.fresh:  # a box of `start`: bounded again, with this search's tables, first
-                    generation.setdefault(batch.b, (batch, []))[1].append((box.lo, box.hi, box.lam))
+                if not box.fresh:  # a box of `start`: bounded again, with this search's tables and its lambda, first
+                    generation.setdefault(batch.b, (batch, []))[1].append((box.lo, box.hi, box.lam, True))
                     continue
                 gap = top.bound - box.lb  # the incumbent may have improved since the push
                 lo, hi = box.lo, _shrink(batch, box.lo, box.hi, gap)
@@ -528,7 +530,7 @@ def search(
                 upper_lo, lower_hi = lo.copy(), hi.copy()
                 upper_lo[d], lower_hi[d] = mid, mid
                 generation.setdefault(batch.b, (batch, []))[1].extend(
-                    [(lo, lower_hi, box.lam), (upper_lo, hi, box.lam)]
+                    [(lo, lower_hi, box.lam, False), (upper_lo, hi, box.lam, False)]
                 )
             for batch, children in generation.values():
                 push_all(batch, children)
