@@ -124,7 +124,6 @@ def test_a_one_shape_search_out_of_time_leaves_the_proofs_valid_bound(monkeypatc
     """When the time runs out in the one-shape search, the proof still reports (not proved,
     the root's bound) and `h2jax plan` prints it (it used to meet no bound and fail)."""
     from h2jax.cli.plan import print_table
-    from h2jax.planner import dual_search
     from h2jax.planner.split import OutOfTime
 
     real = dual_search.search
