@@ -4,6 +4,7 @@ from a half-written or foreign checkpoint."""
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -522,13 +523,13 @@ def test_under_mpi_sigterm_saves_the_step_and_exits_0(token_file, tmp_path):
 
     if not Path(MPIEXEC).exists():
         pytest.skip("mpiexec not found (pip install mpich)")
-    plan_file, directory = tmp_path / "plan.json", tmp_path / "ckpt"
+    plan_file, directory, rank_dir = tmp_path / "plan.json", tmp_path / "ckpt", tmp_path / "ranks"
     save_plan(make_plan(MPI_WRITER), plan_file)
     proc = subprocess.Popen(
         [MPIEXEC, "-n", "3", sys.executable, "-m", "h2jax", "run", "--plan", str(plan_file), "--steps", "100000",
          "--data", str(token_file), "--checkpoint-dir", str(directory), "--save-every", "2", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=checkout_env({**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}))
+        env=checkout_env({**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "H2JAX_RANK_DIR": str(rank_dir)}))
     try:
         deadline = time.monotonic() + 600  # a guard against a hang, not a measurement
         while not ckpt.complete_steps(directory) and proc.poll() is None and time.monotonic() < deadline:
@@ -541,8 +542,9 @@ def test_under_mpi_sigterm_saves_the_step_and_exits_0(token_file, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    # (hydra reports a process it saw fail, and why, on standard output)
-    assert proc.returncode == 0, f"stderr:\n{err[-3000:]}\nstdout:\n{out[-1500:]}"
+    # (hydra reports a process it saw fail, and why, on standard output; the records say
+    # which rank that was and whether it had ended by itself)
+    assert proc.returncode == 0, _tails(SimpleNamespace(stdout=out, stderr=err, rank_dir=rank_dir))
     steps = ckpt.complete_steps(directory)
     last = ckpt.step_dir(directory, steps[-1])
     assert f"stopped by SIGTERM after step {steps[-1]}; checkpoint of step {steps[-1]} written to {last}" in err, err
