@@ -9,7 +9,7 @@ Two shapes per chip type: the shipped clusters' plans with the local search afte
 one (how much faster than the proved one-shape optimum), the local search and the exact
 two-shape search against the exhaustive two-shape enumeration on `--two-shape-cases` random
 tiny clusters, and the exact two-shape search on the 64- and 768-chip clusters (within
-`--proof-time-limit`).
+`--proof-time-limit`), in one process and then with `--proof-workers` processes.
 `--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
 each: how many are proved optimal, the total and slowest time, how many take over 1 s).
 """
@@ -23,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+from h2jax.cli.plan import usable_cpus
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, known_chips, load_chip, load_cluster
 from h2jax.planner import PlannerError, top_k
 
@@ -208,10 +209,12 @@ def two_shapes_vs_exhaustive(cases: int, seed: int) -> dict:
     }
 
 
-def shipped_two_shape_proof(time_limit: float) -> dict:
+def shipped_two_shape_proof(time_limit: float, workers: int) -> dict:
     """The exact two-shape search (`prove_two_shapes`) on the shipped 64- and 768-chip
     clusters, one run each within `time_limit`: proved or not, its nodes and time, the plan
-    against the local search's and the one-shape optimum, and the lower bound it leaves."""
+    against the local search's and the one-shape optimum, and the lower bound it leaves; then
+    the same search with `workers` processes (`proof_workers`), right after it: its time, its
+    nodes and whether it reached the same plan time."""
     out = {}
     for name in CLUSTERS[:2]:
         cluster = load_cluster(REPO / "plans" / name)
@@ -220,6 +223,14 @@ def shipped_two_shape_proof(time_limit: float) -> dict:
         t0 = time.perf_counter()
         (best,), stats = top_k(*args, time_limit_s=time_limit, prove_two_shapes=True)
         wall = time.perf_counter() - t0
+        parallel = {}
+        if workers > 1:
+            t0 = time.perf_counter()
+            (pbest,), pstats = top_k(*args, time_limit_s=time_limit, prove_two_shapes=True, proof_workers=workers)
+            pwall = time.perf_counter() - t0
+            parallel = {"workers": workers, "search_time_s": round(pwall, 2), "proved": pstats.two_shapes_proved,
+                        "nodes": pstats.two_shape_nodes, "same_step_time": abs(pbest.time_s / best.time_s - 1) <= 1e-9,
+                        "time_ratio_to_one_process": round(pwall / wall, 3)}
         out[cluster.name] = {
             "search_time_s": round(wall, 2), "proved": stats.two_shapes_proved, "nodes": stats.two_shape_nodes,
             "step_time_s": round(best.time_s, 4), "local_search_step_time_s": round(local.time_s, 4),
@@ -227,6 +238,7 @@ def shipped_two_shape_proof(time_limit: float) -> dict:
             "lower_bound_s": round(stats.two_shape_lower_bound_s, 4),
             "layout": [f"{o.chip} {o.stages}x(data={o.data},tensor={o.tensor},{o.recompute})" for o in best.options],
             "micro_batch": best.micro_batch,
+            **({"with_workers": parallel} if parallel else {}),
         }
     return out
 
@@ -270,6 +282,8 @@ def main() -> None:
                         help="random tiny clusters on which the two-shape local search meets the exhaustive")
     parser.add_argument("--proof-time-limit", type=float, default=420.0,
                         help="the exact two-shape search on the 64- and 768-chip clusters, each within this (s; 0: skip)")
+    parser.add_argument("--proof-workers", type=int, default=usable_cpus(),
+                        help="processes for the exact two-shape search's second run (default: the usable CPUs; 1: none)")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")
     args = parser.parse_args()
@@ -281,7 +295,7 @@ def main() -> None:
         "small_clusters": fast_vs_exhaustive(args.cases, seed=0),
         "shipped_clusters_two_shapes": shipped_two_shapes(args.time_limit),
         "small_clusters_two_shapes": two_shapes_vs_exhaustive(args.two_shape_cases, seed=1),
-        **({"shipped_two_shape_proof": shipped_two_shape_proof(args.proof_time_limit)} if args.proof_time_limit else {}),
+        **({"shipped_two_shape_proof": shipped_two_shape_proof(args.proof_time_limit, args.proof_workers)} if args.proof_time_limit else {}),
         **({"random_shipped": random_shipped(args.random_shipped, 1, args.time_limit)} if args.random_shipped else {}),
     }))
 

@@ -39,6 +39,8 @@ FLAG_CASES = [
     (["plan", "--cluster", EMU2, "--model", "tiny", "--seq-len", "16", "--global-batch-tokens", "0.001K"],
      "--global-batch-tokens"),
     (["plan", "--cluster", EMU2, "--model", "tiny", "--seq-len", "16", "--global-batch", "0"], "--global-batch"),
+    (["plan", "--cluster", EMU2, "--model", "tiny", "--seq-len", "16", "--global-batch", "8", "--prove-two-shapes",
+      "--jobs", "0"], "--jobs"),
     (["demo", "--steps", "0"], "--steps"),
     (["demo", "--baseline-steps", "0"], "--baseline-steps"),
     (["demo", "--seq-len", "-3"], "--seq-len"),

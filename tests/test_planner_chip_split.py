@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import random
 from pathlib import Path
 
@@ -209,3 +210,118 @@ def test_a_search_started_from_the_boxes_another_left_finds_the_same_optimum(h10
         assert resumed.sorted()[0].time_s == pytest.approx(fresh.sorted()[0].time_s, rel=1e-12)
         assert st.lower_bound_s <= fresh.sorted()[0].time_s * (1 + 1e-12)
     assert stops >= 3
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+
+# (chip groups, seq, batch, schedule): seeded random clusters whose proof takes three nodes
+# (the root's halves run at once); the optimum lies in the root's first half in the first
+# five and in its second half in the last two
+MULTI_NODE = [
+    ([(("chip0", 0.004, 2.5, 4, 0.5, 5.0, "bfloat16"), 3)], 128, 4, "gpipe"),
+    ([(("chip0", 0.004, 0.3, 2, 10.0, 50.0, "float32"), 3)], 128, 2, "gpipe"),
+    ([(("chip0", 0.016, 0.1, 2, 0.5, 5.0, "bfloat16"), 6), (("chip1", 0.008, 0.3, 2, 2.0, 50.0, "float32"), 3)],
+     128, 4, "gpipe"),
+    ([(("chip0", 0.008, 1.0, 2, 10.0, 5.0, "float32"), 3), (("chip1", 0.016, 0.3, 4, 0.5, 50.0, "float32"), 6)],
+     128, 4, "gpipe"),
+    ([(("chip0", 0.004, 2.5, 2, 2.0, 5.0, "float32"), 3)], 128, 2, "1f1b"),
+    ([(("chip0", 0.004, 0.3, 2, 0.5, 5.0, "float32"), 3)], 128, 2, "gpipe"),
+    ([(("chip0", 0.004, 2.5, 4, 10.0, 5.0, "float32"), 6)], 128, 4, "1f1b"),
+]
+
+
+def test_nodes_searched_by_worker_processes_reach_the_same_proved_optimum(monkeypatch):
+    """Two worker processes from the first node on (POOL_AFTER_S 0): on clusters whose proof
+    takes several nodes (and beats the local search's plan in most), the proof reaches the
+    optimum the proof in one process reaches, proved."""
+    beaten = 0
+    for groups, seq, batch, schedule in MULTI_NODE:
+        cluster = Cluster(tuple(ChipGroup(chip(*args), count) for args, count in groups))
+        kw = dict(schedule=schedule, recompute=("none", "full"))
+        (alone,), one = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)
+        (local,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, **kw)
+        assert one.two_shape_nodes >= 3  # (what the case is for)
+        beaten += alone.time_s < local.time_s * (1 - 1e-9)
+        with monkeypatch.context() as m:
+            m.setattr(chip_split, "POOL_AFTER_S", 0.0)
+            (proved,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_workers=2, **kw)
+        assert stats.two_shapes_proved and stats.two_shape_lower_bound_s == proved.time_s
+        assert proved.time_s == pytest.approx(alone.time_s, rel=1e-9), (layout(proved), layout(alone))
+    assert beaten >= 5
+
+
+def test_a_proof_worker_that_dies_fails_the_proof_with_one_clear_error():
+    """A worker killed (kill -9, the OOM killer) under a node: the proof raises a PlannerError
+    that says so, instead of waiting for the node forever."""
+    import os
+    import signal
+
+    ctx = make_context(APART, "tiny", 32, 2, "gpipe")
+    (local,), _ = top_k(APART, "tiny", 32, 2, schedule="gpipe", mixed_shapes=True)
+    pool = chip_split._NodePool(ctx, divisors(2), 1)
+    try:
+        node = chip_split._Node(0.0, 0, {name: (0, ctx.counts[name] // 2) for name in ctx.order})
+        running = {0: (node, pool.submit(node, local, math.inf))}
+        for process in pool._pool._processes.values():  # still starting: it has not taken the node
+            os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(PlannerError, match="a process of the two-shape proof died"):
+            pool.next_done(running)
+    finally:
+        pool.close()
+
+
+_KILLED_PLANNER = """
+import sys, threading, time, multiprocessing
+from pathlib import Path
+from h2jax.cluster import load_cluster
+from h2jax.planner import chip_split, top_k
+chip_split.POOL_AFTER_S = 0.0
+def say_workers():
+    while len(multiprocessing.active_children()) < 2:
+        time.sleep(0.05)
+    print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+if __name__ == "__main__":
+    threading.Thread(target=say_workers, daemon=True).start()
+    top_k(load_cluster(Path(sys.argv[1])), "llama-100b", 4096, 2048, prove_two_shapes=True, proof_workers=2)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="watches the workers through /proc")
+def test_proof_workers_end_when_the_planner_is_killed(tmp_path):
+    """kill -9 of a planner in the middle of a proof (its workers each under a node of the
+    768-chip cluster's, minutes of work): the workers end too, instead of searching on."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import checkout_env
+
+    script = tmp_path / "planner.py"
+    script.write_text(_KILLED_PLANNER)
+    proc = subprocess.Popen([sys.executable, str(script), str(REPO / "plans" / "cluster-768.toml")],
+                            stdout=subprocess.PIPE, text=True, env=checkout_env(dict(os.environ)))
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert len(workers) == 2
+    deadline = time.monotonic() + 120  # a guard against a worker that never ends, not a measurement
+    while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in workers), workers
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (not a zombie waiting for its new parent to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_proof_workers_below_one_are_refused_by_name():
+    with pytest.raises(PlannerError, match="proof_workers must be a whole number >= 1"):
+        top_k(APART, "tiny", 32, 2, prove_two_shapes=True, proof_workers=0)

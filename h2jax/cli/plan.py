@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prove-two-shapes", action="store_true",
                    help="prove the plan optimal among plans with up to two shapes per chip type (branch and bound "
                         "over how each type's chips split between its blocks; minutes on hundreds of chips: raise --time-limit)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes for --prove-two-shapes, each searching a node of its own once the proof has run "
+                        "a second (default: the CPUs this process may use)")
     p.add_argument("--profile", help="measured profile (from `h2jax profile`) to use instead of the analytical model")
     p.add_argument("--top-k", type=int, default=1, help="keep the K best stage lists (listed with --json)")
     p.add_argument("--refine-with-sim", type=int, default=None, metavar="K",
@@ -51,6 +54,16 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="write the plan (JSON) here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=main)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system says, else all)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def sequences(tokens: str | int | None, seqs: int | None, seq_len: int, flag: str) -> int | None:
@@ -80,13 +93,16 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--seq-len must be a positive integer")
     global_batch = sequences(args.global_batch_tokens, args.global_batch, args.seq_len, "--global-batch-tokens")
     baseline_batch = sequences(args.baseline_global_batch_tokens, None, args.seq_len, "--baseline-global-batch-tokens")
+    jobs = usable_cpus() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be a positive number of processes, got {jobs}; e.g. --jobs {usable_cpus()}")
     cluster = load_cluster(args.cluster)
     profile = load_profile(args.profile) if args.profile else None
     result = plan_cluster(
         cluster, args.model, args.seq_len, global_batch, schedule=args.schedule, exhaustive=args.exhaustive,
         profile=profile, k=max(args.top_k, args.refine_with_sim or 1), baselines=not args.no_baselines,
         baseline_global_batch=baseline_batch, time_limit_s=args.time_limit, virtual_stages=args.virtual_stages,
-        mixed_shapes=not args.one_shape_per_type, prove_two_shapes=args.prove_two_shapes,
+        mixed_shapes=not args.one_shape_per_type, prove_two_shapes=args.prove_two_shapes, proof_workers=jobs,
     )
     if args.refine_with_sim:
         result = refined_by_simulation(result, cluster, profile)

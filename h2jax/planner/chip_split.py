@@ -32,6 +32,12 @@ make a stage fit (on the 64-chip cluster, llama-100b, the root's virtual optimum
 under the real one), so the proof takes many nodes (hundreds on the 768-chip cluster, a few
 minutes); where the time limit stops it, it reports a valid lower bound (figures:
 docs/planner.md).
+
+Nodes are independent given the best plan so far, so `prove(workers=N)` searches N at once,
+each in a process of its own (`_NodePool`), once the proof has run POOL_AFTER_S: a node
+handed out with an older best plan is still searched exactly (it may split where the newer
+one would have closed it), and the proof ends as in one process, when no node left open is
+below the best plan.
 """
 
 from __future__ import annotations
@@ -40,12 +46,13 @@ import dataclasses
 import heapq
 import itertools
 import math
+import os
 import time
 from typing import Mapping, Sequence
 
 from h2jax.planner import dual_search
 from h2jax.planner.mixed_shapes import merged
-from h2jax.planner.space import Candidate, Context, SearchStats
+from h2jax.planner.space import Candidate, Context, PlannerError, SearchStats
 from h2jax.planner.split import OutOfTime, TopK
 
 NODE_DIVES = 0  # a node search's dives for incumbents (dual_search.DIVE_BATCHES): none, the best so far seeds it
@@ -124,47 +131,167 @@ def _better(top: _FirstOver, best: Candidate) -> Candidate:
     return as_real(found) if found.time_s < best.time_s else best
 
 
+@dataclasses.dataclass
+class _Outcome:
+    """How a node's search ended: "closed" (no plan of it beats `best`), "over" (`over` beats
+    it and takes more than a type's chips: split the node) or "time" (the deadline); `best`
+    the best plan so far after it (its plans within the chips count), `bound` the bound its
+    search reached, `left` the boxes it left open (the halves', or its own resumption's, start)."""
+
+    kind: str
+    best: Candidate
+    over: Candidate | None
+    bound: float
+    left: list
+
+
+def _search_node(ctx: Context, micro_batches: Sequence[int], node: _Node, best: Candidate,
+                 deadline: float) -> _Outcome:
+    """One node's exact search of its virtual cluster, seeded with `best`."""
+    top = _FirstOver(best, ctx.counts)
+    inner, left = SearchStats(), []
+    try:
+        dual_search.search(virtual_context(ctx, node.bounds), micro_batches, top, inner, deadline,
+                           dives=NODE_DIVES, start=node.start, left=left)
+    except OutOfTime:  # the node's bound so far stays a valid bound on its plans
+        return _Outcome("time", _better(top, best), None, max(node.bound, inner.lower_bound_s), left)
+    except _Over as e:  # the search's bound so far bounds both halves
+        # (a plan it found first: the boxes left no longer hold it, so it counts now)
+        return _Outcome("over", _better(top, best), e.cand, max(node.bound, inner.lower_bound_s), left)
+    return _Outcome("closed", _better(top, best), None, math.inf, [])
+
+
+def _halves(ctx: Context, node: _Node, out: _Outcome, counter) -> list[_Node]:
+    """The two halves of a node whose search met `out.over`, split on the type most over its
+    chips at c = min(u1, middle + 1): x < c and x >= c."""
+    over = {name: u for name, u in usage(out.over).items() if sum(u) > ctx.counts[name]}
+    name = max(over, key=lambda n: sum(over[n]) - ctx.counts[n])
+    (lo, hi), u1 = node.bounds[name], over[name][0]
+    cut = min(u1, (lo + hi) // 2 + 1)
+    return [_Node(out.bound, next(counter), {**node.bounds, name: child}, out.left)
+            for child in ((lo, cut - 1), (cut, hi)) if child[0] <= child[1]]  # lo < cut <= hi
+
+
+POOL_AFTER_S = 1.0  # a proof with workers searches in this process until then (small ones end first: no processes)
+
+
 def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stats: SearchStats,
-          deadline: float = math.inf) -> Candidate:
+          deadline: float = math.inf, workers: int = 1) -> Candidate:
     """The optimum of the two-shape space (`incumbent`: the best plan known, e.g. the local
     search's). Sets `stats.two_shapes_proved`, `two_shape_nodes` and
     `two_shape_lower_bound_s`: on reaching `deadline` it returns the best plan found, not
-    proved, with the least bound of the nodes left open."""
+    proved, with the least bound of the nodes left open. With `workers` > 1, a proof not done
+    within POOL_AFTER_S searches that many nodes at once, each in a process of its own
+    (`_NodePool`)."""
     root = {name: (0, ctx.counts[name] // 2) for name in ctx.order}
     counter = itertools.count()
     heap = [_Node(0.0, next(counter), root)]
     best = incumbent
     stats.two_shapes_proved = False
-    while heap:
-        node = heapq.heappop(heap)
-        if node.bound >= best.time_s:
-            heap.clear()  # every node left is at least as bad
-            break
-        if time.perf_counter() > deadline:
-            heapq.heappush(heap, node)
-            break
-        stats.two_shape_nodes += 1
-        top = _FirstOver(best, ctx.counts)
-        inner, left = SearchStats(), []
-        try:
-            dual_search.search(virtual_context(ctx, node.bounds), micro_batches, top, inner, deadline,
-                               dives=NODE_DIVES, start=node.start, left=left)
-        except OutOfTime:  # the node's bound so far stays a valid bound on its plans
-            best = _better(top, best)
-            heapq.heappush(heap, dataclasses.replace(node, bound=max(node.bound, inner.lower_bound_s), start=left))
-            break
-        except _Over as e:  # split the node; the search's bound so far bounds both halves
-            best = _better(top, best)  # (a plan it found first: the boxes left no longer hold it)
-            found, bound = e.cand, max(node.bound, inner.lower_bound_s)
-            over = {name: u for name, u in usage(found).items() if sum(u) > ctx.counts[name]}
-            name = max(over, key=lambda n: sum(over[n]) - ctx.counts[n])
-            (lo, hi), u1 = node.bounds[name], over[name][0]
-            cut = min(u1, (lo + hi) // 2 + 1)
-            for child in ((lo, cut - 1), (cut, hi)):  # lo < cut <= hi: u1 > C_t - u2 >= lo
-                if child[0] <= child[1]:
-                    heapq.heappush(heap, _Node(bound, next(counter), {**node.bounds, name: child}, left))
-            continue
-        best = _better(top, best)  # the node's optimum, if within the types' chips and faster
+    running: dict = {}  # node order -> (node, its outcome here, or the future of a worker's search)
+    pool, pool_at = None, time.perf_counter() + POOL_AFTER_S
+    try:
+        stopped = False
+        while heap or running:
+            if pool is None and workers > 1 and time.perf_counter() > pool_at:
+                pool = _NodePool(ctx, micro_batches, workers)
+            while heap and not stopped and len(running) < (workers if pool else 1):
+                if heap[0].bound >= best.time_s:
+                    heap.clear()  # every node left is at least as bad (the running ones may split)
+                    break
+                if time.perf_counter() > deadline:
+                    stopped = True
+                    break
+                node = heapq.heappop(heap)
+                stats.two_shape_nodes += 1
+                if pool is None:
+                    running[node.order] = (node, _search_node(ctx, micro_batches, node, best, deadline))
+                else:
+                    running[node.order] = (node, pool.submit(node, best, deadline))
+            if not running:
+                break
+            node, out = pool.next_done(running) if pool else running.popitem()[1]
+            if out.best.time_s < best.time_s:
+                best = out.best
+            if out.kind == "over":
+                for half in _halves(ctx, node, out, counter):
+                    heapq.heappush(heap, half)
+            elif out.kind == "time":
+                heapq.heappush(heap, dataclasses.replace(node, bound=out.bound, start=out.left))
+                stopped = True
+    finally:
+        if pool is not None:
+            pool.close()
+    heap = [n for n in heap if n.bound < best.time_s]
     stats.two_shapes_proved = not heap
-    stats.two_shape_lower_bound_s = best.time_s if not heap else min(heap[0].bound, best.time_s)
+    stats.two_shape_lower_bound_s = best.time_s if not heap else min(min(heap).bound, best.time_s)
     return best
+
+
+_WORKER: tuple | None = None  # in a pool's process: (context, micro-batch sizes)
+
+
+def _start_worker(ctx: Context, micro_batches: Sequence[int]) -> None:
+    import multiprocessing
+    import signal
+    import threading
+
+    global _WORKER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's: it ends the pool
+    _WORKER = (ctx, micro_batches)
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # a planner that dies (kill -9) takes its workers with it, mid-node too
+        threading.Thread(target=_exit_with, args=(parent,), name="h2jax-proof-parent", daemon=True).start()
+
+
+def _exit_with(parent) -> None:
+    parent.join()  # returns when the parent process has ended
+    os._exit(1)
+
+
+def _work(node: _Node, best: Candidate, seconds_left: float) -> _Outcome:
+    ctx, micro_batches = _WORKER
+    return _search_node(ctx, micro_batches, node, best, time.perf_counter() + seconds_left)
+
+
+class _NodePool:
+    """Processes that search nodes at once (`_search_node`). Each gets the context once, its
+    caches empty (a process builds the tables of the nodes it searches and keeps them for the
+    next), then per node its bounds, start boxes and the best plan so far when it was handed
+    out: a node searched against an older best plan is still searched exactly (it may split
+    where a newer one would have closed it). Spawned, not forked: the caller may hold threads.
+    A worker that dies fails the proof (BrokenProcessPool) instead of leaving it waiting."""
+
+    def __init__(self, ctx: Context, micro_batches: Sequence[int], workers: int) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        fresh = dataclasses.replace(ctx, _terms={}, _sends={}, _options={}, _caps={}, _per_type={})
+        self._pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _start_worker,
+                                         (fresh, list(micro_batches)))
+
+    def submit(self, node: _Node, best: Candidate, deadline: float):
+        left = deadline - time.perf_counter() if math.isfinite(deadline) else math.inf  # (clocks are per process)
+        return self._pool.submit(_work, node, best, left)
+
+    def next_done(self, running: dict) -> tuple[_Node, _Outcome]:
+        """The next node whose search ended and how, taken off `running` (order -> (node, future))."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures.process import BrokenProcessPool
+
+        futures = {future: order for order, (_, future) in running.items()}
+        done, _ = wait(futures, return_when=FIRST_COMPLETED)
+        future = min(done, key=futures.get)
+        node, _ = running.pop(futures[future])
+        try:
+            return node, future.result()
+        except BrokenProcessPool:
+            raise PlannerError(
+                "a process of the two-shape proof died (killed, e.g. out of memory) before its node was searched; "
+                "run again with fewer processes (--jobs, `proof_workers`) or one (--jobs 1)") from None
+
+    def close(self) -> None:
+        """Stop the workers now, a node search under way too (on an error or Ctrl-C here)."""
+        for process in list((getattr(self._pool, "_processes", None) or {}).values()):
+            process.terminate()
+        self._pool.shutdown(wait=True, cancel_futures=True)

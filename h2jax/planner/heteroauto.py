@@ -104,6 +104,7 @@ def plan_cluster(
     virtual_stages: int | None = None,
     mixed_shapes: bool = True,
     prove_two_shapes: bool = False,
+    proof_workers: int = 1,
 ) -> PlanResult:
     """The fastest plan for `cluster` under the cost model, with homogeneous baselines.
 
@@ -112,7 +113,7 @@ def plan_cluster(
     a different batch, labelled batch-mismatched; the ratio always uses the matched ones.
     `mixed_shapes` (default) lets a chip type's stages take two shapes (search.top_k);
     `prove_two_shapes` proves the plan optimal among those (chip_split.prove, within the time
-    limit). The baselines are searched the same way.
+    limit; `proof_workers` processes at once). The baselines are searched the same way.
     """
     model = get_config(model)
     optimizer = dataclasses.replace(optimizer, shard_over_data=shard_optimizer)  # the plan records it
@@ -121,6 +122,7 @@ def plan_cluster(
         schedule=schedule, exhaustive=exhaustive, profile=profile,
         micro_batches=micro_batches, recompute=recompute, options=options, time_limit_s=time_limit_s,
         virtual_stages=virtual_stages, mixed_shapes=mixed_shapes, prove_two_shapes=prove_two_shapes,
+        proof_workers=proof_workers,
     )
     candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, **search_kwargs)
     best = candidates[0]

@@ -243,6 +243,7 @@ def top_k(
     virtual_stages: int | None = None,
     mixed_shapes: bool = False,
     prove_two_shapes: bool = False,
+    proof_workers: int = 1,
 ) -> tuple[list[Candidate], SearchStats]:
     """The k fastest stage lists (each with its best layer split), fastest first.
 
@@ -258,10 +259,14 @@ def top_k(
     keeps the best plan with one shape per type, which is what `proved_optimal` speaks of) and
     the exhaustive reference enumerates every two-shape stage list. `prove_two_shapes` (with
     `mixed_shapes`) then proves the best plan optimal in the two-shape space
-    (chip_split.prove; `stats.two_shapes_proved`), within the time limit.
+    (chip_split.prove; `stats.two_shapes_proved`), within the time limit; `proof_workers`
+    processes search its nodes at once once it has run a second.
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
+    if not isinstance(proof_workers, int) or proof_workers < 1:
+        raise PlannerError(f"proof_workers must be a whole number >= 1 (processes for the two-shape proof), "
+                           f"got {proof_workers!r}")
     mixed_shapes = mixed_shapes or prove_two_shapes
     try:
         runs = variants(schedule)
@@ -272,7 +277,8 @@ def top_k(
         runs = list(dict.fromkeys(runs))
     if len(runs) == 1:
         return _top_k_one(cluster, model, seq_len, global_batch, k, *runs[0], exhaustive, profile,
-                          micro_batches, recompute, options, time_limit_s, mixed_shapes, prove_two_shapes)
+                          micro_batches, recompute, options, time_limit_s, mixed_shapes, prove_two_shapes,
+                          proof_workers)
     found: list[Candidate] = []
     stats = SearchStats(lower_bound_s=math.inf)
     errors: list[PlannerError] = []
@@ -283,7 +289,8 @@ def top_k(
         left = None if end is None else max(1e-3, (end - time.perf_counter()) / (len(runs) - idx))
         try:
             cands, st = _top_k_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
-                                   micro_batches, recompute, options, left, mixed_shapes, prove_two_shapes)
+                                   micro_batches, recompute, options, left, mixed_shapes, prove_two_shapes,
+                                   proof_workers)
         except PlannerError as e:
             errors.append(e)
             continue
@@ -342,7 +349,7 @@ REFINE_STARTS = 3
 
 def _top_k_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
-    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False,
+    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False, proof_workers=1,
 ) -> tuple[list[Candidate], SearchStats]:
     ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
     mbs = micro_batches_of(global_batch, micro_batches)
@@ -361,7 +368,7 @@ def _top_k_one(
             stats.one_shape_time_s = found[0].time_s
             better = refine(ctx, found[:REFINE_STARTS], mbs, stats, deadline)
             if prove_two_shapes:  # (out of time already where the one-shape search was: the root's bound)
-                better = chip_split.prove(ctx, mbs, better, stats, deadline)
+                better = chip_split.prove(ctx, mbs, better, stats, deadline, proof_workers)
             found = [better] + [c for c in found if c is not better][: k - 1]
     stats.search_time_s = time.perf_counter() - t0
     if not found and not stats.proved_optimal:
