@@ -260,7 +260,8 @@ def top_k(
     the exhaustive reference enumerates every two-shape stage list. `prove_two_shapes` (with
     `mixed_shapes`) then proves the best plan optimal in the two-shape space
     (chip_split.prove; `stats.two_shapes_proved`), within the time limit; `proof_workers`
-    processes search its nodes at once once it has run a second.
+    processes search its nodes at once once it has run a second (spawned: they import the
+    main module, so a script calls this under `if __name__ == "__main__":`).
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
