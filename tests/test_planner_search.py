@@ -109,6 +109,40 @@ def test_a_stage_lists_cheap_bound_never_exceeds_its_best_split(case, seq, batch
             assert list_may_beat(ctx, c.micro_batch, chosen, x) == (bound < x), (x, bound)
 
 
+@pytest.mark.parametrize("name, schedule", [("cluster-64.toml", "1f1b"), ("cluster-768.toml", "1f1b"),
+                                            ("cluster-768.toml", "gpipe"), ("cluster-64.toml", "interleaved-1f1b")])
+def test_the_per_block_first_test_rejects_only_lists_the_full_bound_rejects(monkeypatch, name, schedule):
+    """`split._may_hold` (the per-block relaxation `list_may_beat` asks first) on every list
+    the local search asks about: where it says no, `list_bound`'s own first test says no too
+    (else the search would skip a list that may beat the best), term by term (its fill and
+    tail no larger, the layers it holds at each bottleneck no fewer), and it says no to most."""
+    from pathlib import Path
+
+    from h2jax.cluster import load_cluster
+    from h2jax.planner import split
+
+    real, asked = split._may_hold, []
+
+    def checked(ctx, b, chosen, bound):
+        quick = real(ctx, b, chosen, bound)
+        parts = split._list_parts(ctx, b, chosen)
+        full = parts is not None and split._least(ctx, b, chosen, parts, bound) < bound
+        where = ([(o.chip, o.stages, o.shape) for o in chosen], b, bound)
+        assert quick or not full, where
+        if parts is not None:  # the relaxation, term by term: no more fill and tail, no fewer layers held
+            rest, blocks = split._block_relaxation(ctx, b, chosen)
+            assert rest <= (parts.fill_end + parts.fill0 + parts.tail0) * (1 + 1e-12), where
+            for x in sorted(set((parts.c * parts.caps + parts.e).tolist()))[::7]:
+                assert split._block_held(blocks, x) >= split._held(parts, x)[0], where
+        asked.append(quick)
+        return quick
+
+    monkeypatch.setattr(split, "_may_hold", checked)
+    cluster = load_cluster(Path(__file__).resolve().parent.parent / "plans" / name)
+    top_k(cluster, "llama-100b", 4096, 2048, schedule=schedule, mixed_shapes=True)
+    assert len(asked) > 1000 and asked.count(False) > 0.6 * len(asked), (len(asked), asked.count(False))
+
+
 def test_a_stage_lists_bound_weighs_fill_and_tail_at_each_bottleneck():
     """`list_bound` takes the fill and the tail of the splits at each bottleneck (not the
     cheapest fill and tail of any split beside the least bottleneck): on the 768-chip

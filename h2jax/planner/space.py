@@ -220,14 +220,30 @@ class Context:
         with deferred weight gradients holds no more). Cached per block and position."""
         p, i, out = sum(o.stages for o in options), 0, []
         for o in options:
-            key = (id(o.mem), p, m, i, o.stages)  # o.mem: one of the cached terms' (alive)
-            caps = self._caps.get(key)
-            if caps is None:
-                held = np.array([self.holds(j, p, m)[0] for j in range(i, i + o.stages)], dtype=float)
-                caps = self._caps[key] = np.atleast_1d(o.max_layers(held))
-            out.append(caps)
+            out.append(self._block_caps(o, p, m, i))
             i += o.stages
         return np.concatenate(out)
+
+    def block_cap_maxima(self, options: Sequence[Option], m: int) -> list[int]:
+        """Per block of a stage list, the largest of its stages' `position_caps` (cached)."""
+        p, i, out = sum(o.stages for o in options), 0, []
+        for o in options:
+            key = ("max", id(o.mem), p, m, i, o.stages)
+            most = self._caps.get(key)
+            if most is None:
+                most = self._caps[key] = int(self._block_caps(o, p, m, i).max())
+            out.append(most)
+            i += o.stages
+        return out
+
+    def _block_caps(self, o: Option, p: int, m: int, i: int) -> np.ndarray:
+        """`position_caps` of one block at positions i.. of p (cached)."""
+        key = (id(o.mem), p, m, i, o.stages)  # o.mem: one of the cached terms' (alive)
+        caps = self._caps.get(key)
+        if caps is None:
+            held = np.array([self.holds(j, p, m)[0] for j in range(i, i + o.stages)], dtype=float)
+            caps = self._caps[key] = np.atleast_1d(o.max_layers(held))
+        return caps
 
     def send(self, b: int, s: Option, r: Option) -> float:
         key = (b, self.chips[s.chip].name, s.data, s.tensor, self.chips[r.chip].name, r.data, r.tensor)
