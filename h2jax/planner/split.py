@@ -356,15 +356,19 @@ def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | 
     cf = np.repeat([o.fill for o in chosen], ks)
     layers = _greedy_fill(cf, np.argsort(cf, kind="stable"), caps, L)
     form = ctx.sched.closed_form
-    # the tail: every stage holds a layer, and with each tail_i * l_i <= X the stages hold at
-    # most X * sum_i 1 / tail_i layers
-    inv = sum(k / o.tail1 if o.tail1 > 0 else math.inf for o, k in zip(chosen, ks))
-    tail0 = max(max(o.tail1 for o in chosen), L / inv)
+    tail0 = _tail_floor(chosen, L)
     return _ListParts(
         caps, np.repeat([o.layer_s for o in chosen], ks), e, cf, form.steady_weight(m, ctx.v),
         sends[0] * form.send_factor(ctx.v), g_first + g_last + 2.0 * sends[1], float(cf @ layers), tail0,
         (first.tail_end, last.tail_end),
     )
+
+
+def _tail_floor(chosen: Sequence[Option], L: int) -> float:
+    """A lower bound on the tail of every split of a stage list: every stage holds a layer,
+    and with each tail_i * l_i <= X the stages hold at most X * sum_i 1 / tail_i layers."""
+    inv = sum(o.stages / o.tail1 if o.tail1 > 0 else math.inf for o in chosen)
+    return max(max(o.tail1 for o in chosen), L / inv)
 
 
 _ROUND = 1 - 1e-9  # the bounds' margin for the rounding of the sums they bound
@@ -478,9 +482,9 @@ def _may_hold(ctx: Context, b: int, chosen: Sequence[Option], bound: float) -> b
     fails too (on 2,432 chips ~97 % of the local search's lists end here)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
-    rest, blocks = _block_relaxation(ctx, b, chosen)
     if weight <= 0:
         return True
+    rest, blocks = _block_relaxation(ctx, b, chosen)
     most = (bound / _ROUND - rest * _ROUND) / weight  # (rest rounded down: summed in another order)
     return not math.isfinite(most) or _block_held(blocks, most) >= L
 
@@ -489,18 +493,15 @@ def _block_relaxation(ctx: Context, b: int, chosen: Sequence[Option]) -> tuple[f
     """(a lower bound on `_list_parts`' fill_end + fill0 + tail0, and per block (stages, cap,
     seconds per layer)): each stage's cap taken as its block's largest, the sends and end
     terms as 0, the fill the cheapest within those caps (cheapest blocks first), the tail
-    `_list_parts`' own."""
+    `_list_parts`' own (`_tail_floor`)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     p = sum(o.stages for o in chosen)
-    blocks, rest, inv, tail1, fills = [], 0.0, 0.0, 0.0, []
+    blocks, rest, fills = [], _tail_floor(chosen, L), []
     for o, c in zip(chosen, ctx.block_cap_maxima(chosen, m)):
         fill, c = o.fill, min(c, L - p + 1)
         blocks.append((o.stages, c, o.layer_s))
         fills.append((fill, o.stages * (c - 1)))
         rest += o.stages * fill
-        inv += o.stages / o.tail1 if o.tail1 > 0 else math.inf
-        tail1 = max(tail1, o.tail1)
-    rest += max(tail1, L / inv)
     extra = L - p  # the layers beyond one a stage: on the cheapest blocks first
     for fill, room in sorted(fills, key=lambda x: x[0]):
         if extra <= 0:
