@@ -64,7 +64,7 @@ APART = Cluster((ChipGroup(chip("chip0", 0.004, 0.1, 4, 10.0, 50.0), 6), ChipGro
 
 def test_a_types_two_blocks_may_sit_apart():
     """A case whose two-shape optimum runs chip1 at both ends of the pipeline, chip0 between:
-    the proof finds it (the local search, whose moves keep a type's blocks together, cannot)."""
+    the proof finds it (the local search, which climbs one move at a time, does not reach it)."""
     kw = dict(schedule="gpipe")
     (proved,), stats = top_k(APART, "tiny", 32, 2, prove_two_shapes=True, **kw)
     (full,), _ = top_k(APART, "tiny", 32, 2, mixed_shapes=True, exhaustive=True, **kw)
@@ -216,14 +216,14 @@ def test_a_search_started_from_the_boxes_another_left_finds_the_same_optimum(h10
 
 
 # (chip groups, seq, batch, schedule): seeded random clusters whose proof takes three nodes
-# (the root's halves run at once); the optimum lies in the root's first half in the first
-# five and in its second half in the last two
+# (the root's halves run at once) and beats the local search's plan, found in the root's
+# second half
 MULTI_NODE = [
     ([(("chip0", 0.004, 2.5, 4, 0.5, 5.0, "bfloat16"), 3)], 128, 4, "gpipe"),
     ([(("chip0", 0.004, 0.3, 2, 10.0, 50.0, "float32"), 3)], 128, 2, "gpipe"),
-    ([(("chip0", 0.016, 0.1, 2, 0.5, 5.0, "bfloat16"), 6), (("chip1", 0.008, 0.3, 2, 2.0, 50.0, "float32"), 3)],
-     128, 4, "gpipe"),
-    ([(("chip0", 0.008, 1.0, 2, 10.0, 5.0, "float32"), 3), (("chip1", 0.016, 0.3, 4, 0.5, 50.0, "float32"), 6)],
+    ([(("chip0", 0.004, 2.5, 4, 0.5, 5.0, "float32"), 6), (("chip1", 0.008, 1.0, 4, 0.5, 50.0, "bfloat16"), 3)],
+     128, 4, "1f1b"),
+    ([(("chip0", 0.016, 0.3, 2, 10.0, 50.0, "bfloat16"), 2), (("chip1", 0.004, 1.0, 4, 10.0, 5.0, "bfloat16"), 3)],
      128, 4, "gpipe"),
     ([(("chip0", 0.004, 2.5, 2, 2.0, 5.0, "float32"), 3)], 128, 2, "1f1b"),
     ([(("chip0", 0.004, 0.3, 2, 0.5, 5.0, "float32"), 3)], 128, 2, "gpipe"),
@@ -233,22 +233,20 @@ MULTI_NODE = [
 
 def test_nodes_searched_by_worker_processes_reach_the_same_proved_optimum(monkeypatch):
     """Two worker processes from the first node on (POOL_AFTER_S 0): on clusters whose proof
-    takes several nodes (and beats the local search's plan in most), the proof reaches the
-    optimum the proof in one process reaches, proved."""
-    beaten = 0
+    takes several nodes and beats the local search's plan, the proof reaches the optimum the
+    proof in one process reaches, proved."""
     for groups, seq, batch, schedule in MULTI_NODE:
         cluster = Cluster(tuple(ChipGroup(chip(*args), count) for args, count in groups))
         kw = dict(schedule=schedule, recompute=("none", "full"))
         (alone,), one = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)
         (local,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, **kw)
         assert one.two_shape_nodes >= 3  # (what the case is for)
-        beaten += alone.time_s < local.time_s * (1 - 1e-9)
+        assert alone.time_s < local.time_s * (1 - 1e-9)  # (so a proof that drops a node cannot pass)
         with monkeypatch.context() as m:
             m.setattr(chip_split, "POOL_AFTER_S", 0.0)
             (proved,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_workers=2, **kw)
         assert stats.two_shapes_proved and stats.two_shape_lower_bound_s == proved.time_s
         assert proved.time_s == pytest.approx(alone.time_s, rel=1e-9), (layout(proved), layout(alone))
-    assert beaten >= 5
 
 
 def test_a_proof_worker_that_dies_fails_the_proof_with_one_clear_error():

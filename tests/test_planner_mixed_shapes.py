@@ -145,6 +145,42 @@ def test_moves_are_one_step_and_reach_every_split_of_a_block():
         assert sum(before.get(c) != after.get(c) for c in set(before) | set(after)) <= 2
 
 
+def test_a_move_puts_one_block_anywhere_else_in_the_pipeline():
+    """Every list with one block taken out and put in another place of the pipeline is a move
+    (a type may then run at both ends, another between), and such a move keeps every block."""
+    ctx = make_context(load_cluster(C64), "llama-100b", 4096, 2048)
+    a, b = (sorted((o for o in opts if o.stages == 2), key=lambda o: o.chips)[0]
+            for opts in ctx.type_options(32, prune_unfit=True))
+    a2 = next(o for o in ctx.type_options(32, prune_unfit=True)[0] if o.stages == 1 and o.shape != a.shape)
+    start = (a, b, a2)
+    found = set(moves(start, {}, ctx.counts, ctx.model.n_layers))
+    for i, block in enumerate(start):
+        rest = start[:i] + start[i + 1:]
+        for j in range(len(rest) + 1):
+            assert j == i or rest[:j] + (block,) + rest[j:] in found
+    assert start not in found
+    assert (b, a, a2) in found and (a, a2, b) in found and (a2, a, b) in found
+
+
+# A seeded random tiny cluster (benchmarks/planner.py's) whose two-shape optimum runs chip0 at
+# both ends of the pipeline and chip1 between: the local search reaches it by moving a block
+# to the other side of its neighbour
+ENDS = (Cluster((ChipGroup(chip("chip0", 0.004, 1.0, per_node=4, inter=10.0, intra=5.0), 7),
+                 ChipGroup(chip("chip1", 0.008, 0.3, per_node=4, inter=2.0, intra=50.0, compute="bfloat16"), 8))),
+        128, 8, "1f1b")
+
+
+def test_the_local_search_reaches_a_type_at_both_ends():
+    cluster, seq, batch, schedule = ENDS
+    (two,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+    (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
+    (one,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule)
+    assert full.time_s < one.time_s * (1 - 1e-3)
+    assert math.isclose(two.time_s, full.time_s, rel_tol=1e-9), (layout(two), layout(full))
+    chips = [o.chip for o in two.options]
+    assert chips[0] == chips[-1] != chips[1], layout(two)
+
+
 def test_the_exhaustive_size_counts_two_shape_lists():
     ctx = make_context(load_cluster(EMU2), "tiny", 16, 8, "1f1b", None, CostOptions(), ("none", "selective", "full"), 1)
     mbs = divisors(8)

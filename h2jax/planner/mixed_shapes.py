@@ -5,7 +5,8 @@ A type's stages can do better on two: under 1F1B a stage nearer the front keeps 
 micro-batches in flight, so the front of a type's block may need a larger tensor size (more
 memory per chip) than its back, and chips a shape leaves over may hold a smaller stage. From
 each of the best plans with one shape per type, `refine` walks stage lists one move away (`moves`),
-each type's stages in at most two blocks (the moves keep them together) and each new block
+each type's stages in at most two blocks anywhere in the pipeline (a move may put a block on
+the other side of its neighbours: a type may run at both ends) and each new block
 on a shape no other shape of its chip beats on every count (`undominated`), solves each
 list's layer split exactly (`split.solve`, which skips a list its bounds show cannot win)
 and moves to the best until no move improves it (`climb`). The result is at least as fast as
@@ -57,7 +58,9 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
     stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
     their mesh with their recompute policy or another) given to k stages of another shape of
     its chip, or of a neighbouring block's chip, placed next to the kept ones or to that
-    neighbour (the chips permitting, at most `n_layers` stages). A split is not made when
+    neighbour (the chips permitting, at most `n_layers` stages); or the block taken out and
+    put in any other place of the pipeline (a type's two blocks may then sit apart, e.g. at
+    both ends, another type between: a few lists per block). A split is not made when
     `hopeless(speed, fill)` says so of its stages' summed `Option.speed` and per-layer fill
     (`split.balance_bound`, what `split.solve` checks first)."""
     used: dict[str, int] = {}
@@ -77,6 +80,10 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
             yield head + (dataclasses.replace(o, stages=o.stages + 1),) + tail
         if len(options) > 1:
             yield head + tail
+            rest = head + tail  # the block elsewhere in the pipeline (a type may run at both ends)
+            for j in range(len(rest) + 1):
+                if j != i:
+                    yield rest[:j] + (o,) + rest[j:]
         # the chips a new block may come from: this block's, then its neighbours' (beside them)
         sources = [(o.chip, 0)] + [(options[j].chip, j - i) for j in (i - 1, i + 1)
                                    if 0 <= j < len(options) and options[j].chip != o.chip]
