@@ -323,3 +323,147 @@ def _alive(pid: int) -> bool:
 def test_proof_workers_below_one_are_refused_by_name():
     with pytest.raises(PlannerError, match="proof_workers must be a whole number >= 1"):
         top_k(APART, "tiny", 32, 2, prove_two_shapes=True, proof_workers=0)
+
+
+# ----------------------------------------------------------------------------- progress and Ctrl-C
+
+
+def _multi_node(i: int):
+    groups, seq, batch, schedule = MULTI_NODE[i]
+    cluster = Cluster(tuple(ChipGroup(chip(*args), count) for args, count in groups))
+    return cluster, seq, batch, dict(schedule=schedule, recompute=("none", "full"))
+
+
+def test_a_proof_reports_where_it_stands_after_each_node():
+    """`proof_progress` hears when the proof begins and after each node: the nodes searched,
+    the best plan (never slower), the least open bound (never above the best); the last
+    report of a finished proof has no node open and the bound at the optimum."""
+    cluster, seq, batch, kw = _multi_node(2)
+    seen = []
+    (best,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_progress=seen.append, **kw)
+    assert stats.two_shapes_proved and stats.two_shape_nodes >= 3
+    assert [p.nodes for p in seen] == list(range(stats.two_shape_nodes + 1))
+    assert seen[0].open == 1 and seen[0].bound_s == 0.0 and seen[0].schedule == kw["schedule"]
+    assert all(b.best_s <= a.best_s for a, b in zip(seen, seen[1:]))
+    assert all(p.bound_s <= p.best_s for p in seen)
+    assert seen[-1].open == 0 and seen[-1].best_s == best.time_s == seen[-1].bound_s and seen[-1].gap == 0.0
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_the_proof_with_the_best_plan_and_a_valid_bound(signum):
+    """Ctrl-C (KeyboardInterrupt; SIGTERM arrives as one with its `signum`) after a few nodes
+    stops the proof as the time limit does: the best plan found, not proved, the signal
+    named, and a bound at most the optimum the whole proof proves."""
+    import signal
+
+    cluster, seq, batch, kw = _multi_node(2)
+    (optimum,), _ = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)
+    interrupt = KeyboardInterrupt()
+    interrupt.signum = signal.Signals[signum]
+    seen = []
+
+    def stop_at_two(p):
+        seen.append(p)
+        if p.nodes == 2:
+            raise interrupt
+
+    (best,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_progress=stop_at_two, **kw)
+    assert stats.two_shapes_proved is False and stats.two_shapes_stopped == signum
+    assert stats.two_shape_nodes == 2
+    assert stats.two_shape_lower_bound_s == seen[-1].bound_s <= optimum.time_s <= best.time_s
+
+
+def test_ctrl_c_in_the_middle_of_a_node_leaves_that_node_open(monkeypatch):
+    """Ctrl-C while a node is searched: that node stays open at its bound (best bound first:
+    the least of all), so the proof's bound is the one reported before it began."""
+    cluster, seq, batch, kw = _multi_node(2)
+    (optimum,), _ = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)
+    real, calls, seen = chip_split._search_node, [], []
+
+    def search_node(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(chip_split, "_search_node", search_node)
+    (best,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_progress=seen.append, **kw)
+    assert stats.two_shapes_stopped == "SIGINT" and stats.two_shape_nodes == 3
+    assert seen[-1].nodes == 2 and 0 < seen[-1].bound_s < optimum.time_s  # (the node it stopped in holds it)
+    assert stats.two_shape_lower_bound_s == seen[-1].bound_s
+
+
+def test_ctrl_c_ends_the_proofs_worker_processes(monkeypatch):
+    """Ctrl-C with the root's halves handed to two workers, one of them reported done: the
+    other stays open, and the workers end."""
+    import multiprocessing
+
+    cluster, seq, batch, kw = _multi_node(2)
+    monkeypatch.setattr(chip_split, "POOL_AFTER_S", 0.0)
+    seen = []
+
+    def stop_after_a_half(p):
+        seen.append(p)
+        if p.nodes == 3:  # (the root, then both halves handed out: reported as the first ends)
+            assert len(multiprocessing.active_children()) == 2 and p.open >= 1
+            raise KeyboardInterrupt
+
+    (best,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_workers=2,
+                           proof_progress=stop_after_a_half, **kw)
+    assert [p.nodes for p in seen] == [0, 1, 3]
+    assert stats.two_shapes_stopped == "SIGINT" and stats.two_shapes_proved is False
+    assert stats.two_shape_lower_bound_s == seen[-1].bound_s
+    assert multiprocessing.active_children() == []
+
+
+def test_ctrl_c_in_one_schedules_proof_leaves_the_other_schedules_unproved():
+    """--schedule auto runs a proof per schedule: after Ctrl-C stops one, the schedules after it
+    are searched without one, and the two-shape optimum's bound is then 0 (nothing proved)."""
+    cluster, seq, batch, kw = _multi_node(2)
+    kw["schedule"] = "auto"
+    proofs = []
+
+    def stop_first(p):
+        proofs.append(p.schedule)
+        if len(set(proofs)) == 1 and p.nodes == 1:
+            raise KeyboardInterrupt
+
+    (best,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_progress=stop_first, **kw)
+    assert len(set(proofs)) == 1  # no other schedule's proof ran
+    assert len(stats.schedule_times) > 1  # the others were searched
+    assert stats.proved_optimal  # (their one-shape searches, exactly)
+    assert stats.two_shapes_proved is False and stats.two_shapes_stopped == "SIGINT"
+    assert stats.two_shape_lower_bound_s == 0.0
+
+
+def test_ctrl_c_on_h2jax_plan_writes_the_best_plan_found(tmp_path):
+    """`h2jax plan --prove-two-shapes` on 768 chips (a proof of minutes), Ctrl-C once the
+    proof says it began (a line on stderr: not a terminal): the plan found so far is written
+    and valid, the summary says the proof was stopped by Ctrl-C, and the command succeeds."""
+    import signal
+    import subprocess
+    import sys
+
+    from h2jax.plan import load_plan
+    from tests.conftest import checkout_env
+
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "h2jax", "plan", "--cluster", str(REPO / "plans" / "cluster-768.toml"),
+           "--model", "llama-100b", "--seq-len", "4096", "--global-batch-tokens", "8M", "--schedule", "1f1b",
+           "--prove-two-shapes", "--jobs", "1", "--no-baselines", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=checkout_env(dict(os.environ)),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (not inherited ignored)
+    try:
+        first = proc.stderr.readline()
+        assert first.startswith("two-shape proof (1f1b): 0 nodes, 1 open") and "Ctrl-C stops it" in first, first
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)  # a guard, not a measurement
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "two shapes per type NOT proved (stopped by Ctrl-C after" in stdout
+    assert f"plan written to {out}" in stdout
+    plan = load_plan(out)
+    assert plan.predicted["two_shapes_proved"] is False and plan.predicted["two_shapes_stopped_by"] == "SIGINT"
+    assert 0.0 <= plan.predicted["two_shape_lower_bound_s"] <= plan.predicted["step_time_s"]

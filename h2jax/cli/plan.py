@@ -6,6 +6,7 @@ Searches the cluster for the fastest plan under the cost model (exactly), writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -37,7 +38,8 @@ def add_parser(sub) -> None:
                         "proves optimal; by default a local search then tries two shapes per type")
     p.add_argument("--prove-two-shapes", action="store_true",
                    help="prove the plan optimal among plans with up to two shapes per chip type (branch and bound "
-                        "over how each type's chips split between its blocks; minutes on hundreds of chips: raise --time-limit)")
+                        "over how each type's chips split between its blocks; minutes on hundreds of chips: raise --time-limit; "
+                        "it shows where it stands, and Ctrl-C stops it and keeps the best plan found)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes for --prove-two-shapes, each searching a node of its own once the proof has run "
                         "a second (default: the CPUs this process may use)")
@@ -88,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
     from h2jax.cluster import load_cluster
     from h2jax.planner import load_profile, plan_cluster
     from h2jax.plan import save_plan
+    from h2jax.cli.progress import proof_status
 
     if args.seq_len is None or args.seq_len < 1:
         raise ConfigError("--seq-len must be a positive integer")
@@ -98,12 +101,15 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs must be a positive number of processes, got {jobs}; e.g. --jobs {usable_cpus()}")
     cluster = load_cluster(args.cluster)
     profile = load_profile(args.profile) if args.profile else None
-    result = plan_cluster(
-        cluster, args.model, args.seq_len, global_batch, schedule=args.schedule, exhaustive=args.exhaustive,
-        profile=profile, k=max(args.top_k, args.refine_with_sim or 1), baselines=not args.no_baselines,
-        baseline_global_batch=baseline_batch, time_limit_s=args.time_limit, virtual_stages=args.virtual_stages,
-        mixed_shapes=not args.one_shape_per_type, prove_two_shapes=args.prove_two_shapes, proof_workers=jobs,
-    )
+    # a proof of minutes shows where it stands (stderr); Ctrl-C stops it and keeps the best plan
+    with proof_status() if args.prove_two_shapes else contextlib.nullcontext() as progress:
+        result = plan_cluster(
+            cluster, args.model, args.seq_len, global_batch, schedule=args.schedule, exhaustive=args.exhaustive,
+            profile=profile, k=max(args.top_k, args.refine_with_sim or 1), baselines=not args.no_baselines,
+            baseline_global_batch=baseline_batch, time_limit_s=args.time_limit, virtual_stages=args.virtual_stages,
+            mixed_shapes=not args.one_shape_per_type, prove_two_shapes=args.prove_two_shapes, proof_workers=jobs,
+            proof_progress=progress,
+        )
     if args.refine_with_sim:
         result = refined_by_simulation(result, cluster, profile)
     if args.out:
@@ -209,7 +215,11 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
             opt += (f" ({one_shape:.4g} s); two shapes on a type, from a local search (not proved optimal), "
                     f"are {pred['two_shapes_faster_by']:.2%} faster")
         if proved_two is False:
-            opt += (f"; two shapes per type NOT proved within the time limit ({pred['two_shape_nodes']:,} branch-and-bound nodes): "
+            stopped = pred.get("two_shapes_stopped_by", "time limit")
+            nodes = f"{pred['two_shape_nodes']:,} branch-and-bound nodes"
+            why = (f"within the time limit ({nodes})" if stopped == "time limit"
+                   else f"(stopped by {'Ctrl-C' if stopped == 'SIGINT' else stopped} after {nodes})")
+            opt += (f"; two shapes per type NOT proved {why}: "
                     f"their optimum is at least {pred['two_shape_lower_bound_s']:.4g} s")
     console.print(
         f"search: {pred['search_time_s']:.3f} s, {pred['plans_evaluated']:,} plans evaluated, "

@@ -38,6 +38,13 @@ each in a process of its own (`_NodePool`), once the proof has run POOL_AFTER_S:
 handed out with an older best plan is still searched exactly (it may split where the newer
 one would have closed it), and the proof ends as in one process, when no node left open is
 below the best plan.
+
+A proof of minutes reports as it goes (`progress`: after each node, the nodes searched and
+open, the best plan and the least bound of the nodes open, a valid lower bound on the
+two-shape optimum), and Ctrl-C (or SIGTERM, where the caller raises it as KeyboardInterrupt)
+stops it the way the time limit does, as a solver's interrupt would: the nodes under way go
+back to the open ones at their bounds and the best plan found is returned, not proved, with
+that bound.
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ import heapq
 import itertools
 import math
 import os
+import signal
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from h2jax.planner import dual_search
 from h2jax.planner.mixed_shapes import merged
@@ -175,32 +183,76 @@ def _halves(ctx: Context, node: _Node, out: _Outcome, counter) -> list[_Node]:
 POOL_AFTER_S = 1.0  # a proof with workers searches in this process until then (small ones end first: no processes)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProofProgress:
+    """Where a proof stands (`prove`'s `progress`): the schedule it is of, nodes searched and
+    still open, the best plan's time, the least bound of the open nodes (a valid lower bound
+    on the two-shape optimum: the best plan's time once none is open) and the seconds since
+    the proof began."""
+
+    schedule: str
+    nodes: int
+    open: int
+    best_s: float
+    bound_s: float
+    elapsed_s: float
+
+    @property
+    def gap(self) -> float:
+        """How much slower the best plan may be than the optimum (0 when proved)."""
+        return self.best_s / self.bound_s - 1 if self.bound_s > 0 else math.inf
+
+
 def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stats: SearchStats,
-          deadline: float = math.inf, workers: int = 1) -> Candidate:
+          deadline: float = math.inf, workers: int = 1,
+          progress: Callable[[ProofProgress], None] | None = None) -> Candidate:
     """The optimum of the two-shape space (`incumbent`: the best plan known, e.g. the local
     search's). Sets `stats.two_shapes_proved`, `two_shape_nodes` and
-    `two_shape_lower_bound_s`: on reaching `deadline` it returns the best plan found, not
-    proved, with the least bound of the nodes left open. With `workers` > 1, a proof not done
+    `two_shape_lower_bound_s`: on reaching `deadline`, or on KeyboardInterrupt (Ctrl-C), it
+    returns the best plan found, not proved, with the least bound of the nodes left open
+    (`stats.two_shapes_stopped` says which stopped it). With `workers` > 1, a proof not done
     within POOL_AFTER_S searches that many nodes at once, each in a process of its own
-    (`_NodePool`)."""
-    root = {name: (0, ctx.counts[name] // 2) for name in ctx.order}
+    (`_NodePool`). `progress` is called when the proof begins and after each node."""
     counter = itertools.count()
-    heap = [_Node(0.0, next(counter), root)]
+    heap: list[_Node] = []
+    # every node open: on the heap, or taken off it and not done with (its halves, or its
+    # closing, not recorded yet); a node enters before it is pushed and leaves after its
+    # halves entered, so wherever an interrupt lands, these hold every plan not yet ruled out
+    # (a node and its halves both open is still valid)
+    open_nodes: dict[int, _Node] = {}
+
+    def push(node: _Node) -> None:
+        open_nodes[node.order] = node
+        heapq.heappush(heap, node)
+
+    push(_Node(0.0, next(counter), {name: (0, ctx.counts[name] // 2) for name in ctx.order}))
     best = incumbent
     stats.two_shapes_proved = False
     running: dict = {}  # node order -> (node, its outcome here, or the future of a worker's search)
-    pool, pool_at = None, time.perf_counter() + POOL_AFTER_S
+    t0 = time.perf_counter()
+    pool, pool_at = None, t0 + POOL_AFTER_S
+    stopped_by = None
+
+    def report() -> None:
+        if progress is not None:
+            bound = min((n.bound for n in open_nodes.values()), default=math.inf)
+            progress(ProofProgress(incumbent.label, stats.two_shape_nodes, len(open_nodes), best.time_s,
+                                   min(bound, best.time_s), time.perf_counter() - t0))
+
     try:
+        report()
         stopped = False
         while heap or running:
             if pool is None and workers > 1 and time.perf_counter() > pool_at:
                 pool = _NodePool(ctx, micro_batches, workers)
             while heap and not stopped and len(running) < (workers if pool else 1):
                 if heap[0].bound >= best.time_s:
-                    heap.clear()  # every node left is at least as bad (the running ones may split)
+                    for n in heap:  # every node left is at least as bad (the running ones may split)
+                        del open_nodes[n.order]
+                    heap.clear()
                     break
                 if time.perf_counter() > deadline:
-                    stopped = True
+                    stopped, stopped_by = True, "time limit"
                     break
                 node = heapq.heappop(heap)
                 stats.two_shape_nodes += 1
@@ -215,16 +267,22 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
                 best = out.best
             if out.kind == "over":
                 for half in _halves(ctx, node, out, counter):
-                    heapq.heappush(heap, half)
-            elif out.kind == "time":
-                heapq.heappush(heap, dataclasses.replace(node, bound=out.bound, start=out.left))
-                stopped = True
+                    push(half)
+            if out.kind == "time":  # open again, where its search stopped (the same order: it replaces it)
+                stopped, stopped_by = True, "time limit"
+                push(dataclasses.replace(node, bound=out.bound, start=out.left))
+            else:
+                del open_nodes[node.order]
+            report()
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM raised as one): stop as the time limit does
+        stopped_by = signal.Signals(getattr(e, "signum", signal.SIGINT)).name
     finally:
         if pool is not None:
             pool.close()
-    heap = [n for n in heap if n.bound < best.time_s]
-    stats.two_shapes_proved = not heap
-    stats.two_shape_lower_bound_s = best.time_s if not heap else min(min(heap).bound, best.time_s)
+    left = [n for n in open_nodes.values() if n.bound < best.time_s]
+    stats.two_shapes_proved = not left
+    stats.two_shapes_stopped = stopped_by if left else None
+    stats.two_shape_lower_bound_s = best.time_s if not left else min(min(n.bound for n in left), best.time_s)
     return best
 
 

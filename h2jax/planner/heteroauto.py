@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from h2jax.cluster import Cluster
 from h2jax.config import ModelConfig, get_config
@@ -14,6 +14,7 @@ from h2jax.plan import RECOMPUTE_POLICIES, Optimizer, Plan
 from h2jax import names as N
 from h2jax.planner import cost_model as cm
 from h2jax.planner.baselines import Baseline, hetero_speedup_ratio, homogeneous_baselines
+from h2jax.planner.chip_split import ProofProgress
 from h2jax.planner.memory_model import GIB
 from h2jax.planner.profile import Profile
 from h2jax.planner.search import Candidate, PlannerError, SearchStats, candidate_plan, top_k
@@ -105,6 +106,7 @@ def plan_cluster(
     mixed_shapes: bool = True,
     prove_two_shapes: bool = False,
     proof_workers: int = 1,
+    proof_progress: Callable[[ProofProgress], None] | None = None,
 ) -> PlanResult:
     """The fastest plan for `cluster` under the cost model, with homogeneous baselines.
 
@@ -113,7 +115,9 @@ def plan_cluster(
     a different batch, labelled batch-mismatched; the ratio always uses the matched ones.
     `mixed_shapes` (default) lets a chip type's stages take two shapes (search.top_k);
     `prove_two_shapes` proves the plan optimal among those (chip_split.prove, within the time
-    limit; `proof_workers` processes at once). The baselines are searched the same way.
+    limit; `proof_workers` processes at once; `proof_progress` hears from the plan's proof
+    after each node). The baselines are searched the same way, but not proved where Ctrl-C
+    stopped the plan's proof (search.top_k: the plan is then the best found).
     """
     model = get_config(model)
     optimizer = dataclasses.replace(optimizer, shard_over_data=shard_optimizer)  # the plan records it
@@ -124,7 +128,10 @@ def plan_cluster(
         virtual_stages=virtual_stages, mixed_shapes=mixed_shapes, prove_two_shapes=prove_two_shapes,
         proof_workers=proof_workers,
     )
-    candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, **search_kwargs)
+    candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, proof_progress=proof_progress,
+                              **search_kwargs)
+    if stats.two_shapes_stopped not in (None, "time limit"):  # Ctrl-C: no proof more
+        search_kwargs["prove_two_shapes"] = False
     best = candidates[0]
     plan = candidate_plan(best, model, seq_len, global_batch, optimizer=optimizer)
     predicted = predict(plan, cluster, profile, options)
@@ -150,6 +157,8 @@ def plan_cluster(
         predicted["two_shapes_proved"] = stats.two_shapes_proved
         predicted["two_shape_lower_bound_s"] = stats.two_shape_lower_bound_s
         predicted["two_shape_nodes"] = stats.two_shape_nodes
+        if stats.two_shapes_stopped is not None:
+            predicted["two_shapes_stopped_by"] = stats.two_shapes_stopped
     if len(stats.schedule_times) > 1:  # --schedule auto: each schedule's best, the plan's first, then fastest first
         predicted["schedule_times_s"] = dict(sorted(stats.schedule_times.items(),
                                                     key=lambda kv: (kv[0] != best.label, kv[1])))

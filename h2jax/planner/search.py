@@ -40,7 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -244,6 +244,7 @@ def top_k(
     mixed_shapes: bool = False,
     prove_two_shapes: bool = False,
     proof_workers: int = 1,
+    proof_progress: Callable[[chip_split.ProofProgress], None] | None = None,
 ) -> tuple[list[Candidate], SearchStats]:
     """The k fastest stage lists (each with its best layer split), fastest first.
 
@@ -261,7 +262,11 @@ def top_k(
     `mixed_shapes`) then proves the best plan optimal in the two-shape space
     (chip_split.prove; `stats.two_shapes_proved`), within the time limit; `proof_workers`
     processes search its nodes at once once it has run a second (spawned: they import the
-    main module, so a script calls this under `if __name__ == "__main__":`).
+    main module, so a script calls this under `if __name__ == "__main__":`), and
+    `proof_progress` hears from it after each node (chip_split.ProofProgress). Ctrl-C during
+    a proof stops it as the time limit does (`stats.two_shapes_stopped`): the schedules after
+    it are still searched, without a proof (their two-shape optimum then has no bound but 0);
+    Ctrl-C elsewhere raises KeyboardInterrupt as usual.
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
@@ -279,22 +284,27 @@ def top_k(
     if len(runs) == 1:
         return _top_k_one(cluster, model, seq_len, global_batch, k, *runs[0], exhaustive, profile,
                           micro_batches, recompute, options, time_limit_s, mixed_shapes, prove_two_shapes,
-                          proof_workers)
+                          proof_workers, proof_progress)
     found: list[Candidate] = []
     stats = SearchStats(lower_bound_s=math.inf)
     errors: list[PlannerError] = []
     # One limit for the whole search: each schedule gets an equal share of the time left, so a
     # slow one cannot starve those after it.
     end = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    interrupted = None  # the signal that stopped a proof: the schedules after it are not proved
     for idx, (name, v) in enumerate(runs):
         left = None if end is None else max(1e-3, (end - time.perf_counter()) / (len(runs) - idx))
         try:
             cands, st = _top_k_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
-                                   micro_batches, recompute, options, left, mixed_shapes, prove_two_shapes,
-                                   proof_workers)
+                                   micro_batches, recompute, options, left, mixed_shapes,
+                                   prove_two_shapes and not interrupted, proof_workers, proof_progress)
         except PlannerError as e:
             errors.append(e)
             continue
+        if prove_two_shapes and interrupted:  # searched after Ctrl-C, not proved: no bound but 0
+            st.two_shapes_proved, st.two_shape_lower_bound_s, st.two_shapes_stopped = False, 0.0, interrupted
+        elif st.two_shapes_stopped not in (None, "time limit"):
+            interrupted = st.two_shapes_stopped
         found += cands
         stats.schedule_times[cands[0].label] = cands[0].time_s
         for f in ("configs_visited", "plans_evaluated", "space_size", "bound_rows", "search_time_s"):
@@ -307,6 +317,8 @@ def top_k(
             stats.two_shapes_proved = st.two_shapes_proved and stats.two_shapes_proved is not False
             stats.two_shape_nodes += st.two_shape_nodes
             stats.two_shape_lower_bound_s = min(st.two_shape_lower_bound_s, stats.two_shape_lower_bound_s or math.inf)
+            if stats.two_shapes_stopped in (None, "time limit"):  # a signal's stop says more
+                stats.two_shapes_stopped = st.two_shapes_stopped or stats.two_shapes_stopped
     if not found:
         raise errors[0]
     found.sort(key=lambda c: c.time_s)
@@ -350,7 +362,7 @@ REFINE_STARTS = 3
 
 def _top_k_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
-    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False, proof_workers=1,
+    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False, proof_workers=1, proof_progress=None,
 ) -> tuple[list[Candidate], SearchStats]:
     ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
     mbs = micro_batches_of(global_batch, micro_batches)
@@ -369,7 +381,7 @@ def _top_k_one(
             stats.one_shape_time_s = found[0].time_s
             better = refine(ctx, found[:REFINE_STARTS], mbs, stats, deadline)
             if prove_two_shapes:  # (out of time already where the one-shape search was: the root's bound)
-                better = chip_split.prove(ctx, mbs, better, stats, deadline, proof_workers)
+                better = chip_split.prove(ctx, mbs, better, stats, deadline, proof_workers, proof_progress)
             found = [better] + [c for c in found if c is not better][: k - 1]
     stats.search_time_s = time.perf_counter() - t0
     if not found and not stats.proved_optimal:

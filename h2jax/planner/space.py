@@ -120,6 +120,9 @@ class SearchStats:
     two_shapes_proved: bool | None = None
     two_shape_nodes: int = 0
     two_shape_lower_bound_s: float | None = None
+    # what stopped the proof before it proved the plan: "time limit", or the signal ("SIGINT":
+    # Ctrl-C; "SIGTERM") that stopped it and kept the best plan found; None when it finished
+    two_shapes_stopped: str | None = None
 
 
 # ----------------------------------------------------------------------------- the space
