@@ -206,7 +206,7 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     proved_two = pred.get("two_shapes_proved")
     if proved_two:  # --prove-two-shapes finished: the plan is the two-shape optimum
         gain = pred["two_shapes_faster_by"]
-        opt += (f" among plans with up to two shapes per chip type ({pred['two_shape_nodes']:,} branch-and-bound nodes; "
+        opt += (f" among plans with up to two shapes per chip type ({count(pred['two_shape_nodes'], 'branch-and-bound node')}; "
                 + (f"{gain:.2%} faster than the best with one shape per type, {one_shape:.4g} s)" if gain > 1e-9
                    else "one shape per type is as fast)"))
     elif one_shape is not None:  # the fast search proves the one-shape space; two shapes come from a local search
@@ -216,7 +216,7 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
                     f"are {pred['two_shapes_faster_by']:.2%} faster")
         if proved_two is False:
             stopped = pred.get("two_shapes_stopped_by", "time limit")
-            nodes = f"{pred['two_shape_nodes']:,} branch-and-bound nodes"
+            nodes = count(pred["two_shape_nodes"], "branch-and-bound node")
             why = (f"within the time limit ({nodes})" if stopped == "time limit"
                    else f"(stopped by {'Ctrl-C' if stopped == 'SIGINT' else stopped} after {nodes})")
             opt += (f"; two shapes per type NOT proved {why}: "
