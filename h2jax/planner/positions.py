@@ -390,22 +390,27 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
                 ans = np.minimum(ans, (Fs + front[t][None]).min(axis=(0, 2), initial=np.inf))
             if level == len(live) - 1:
                 continue  # every type is behind: nothing more in front
-            if level > 0:
-                H = np.empty((len(masks), R, table.size, L))  # H[q], q = 0..L-1 stages behind
-                H[..., 0] = np.inf
-                H[..., 1:] = Fs[:, :, None, :] - w.Wm[None, ..., 1:L]
-                M = _window_min(H, table.k_max)  # (n, R, S, L): q' = 1..L, k <= k_max stages
-            block = (as_block[t] + M).min(axis=2)  # (n, R, L)
+            lo, end = 0, min(L, int(table.k_max.max()))  # the block's last stage at q' = lo+1 .. end
+            if level == 0:  # the last block: k <= k_max stages
+                M = M[..., :end]
+            else:
+                # only q = lo..hi-1 stages behind hold a finite F (of any mask or row): the
+                # window minima are finite only for q' - 1 in lo .. hi - 2 + k_max, and
+                # computed there alone (H is inf before lo, so a window cut at lo is exact)
+                behind = np.flatnonzero(np.isfinite(Fs).any(axis=(0, 1)))
+                if not len(behind):
+                    continue
+                lo, end = int(behind[0]) + 1, min(L, int(behind[-1]) + 1 + int(table.k_max.max()))
+                H = Fs[:, :, None, lo - 1: end - 1] - w.Wm[None, ..., lo:end]  # H[q], q = lo..end-1
+                M = _window_min(H, table.k_max)  # (n, R, S, end-lo): q' = lo+1..end, k <= k_max stages
+            block = (as_block[t][..., lo:end] + M).min(axis=2)  # (n, R, end-lo)
             for S, blk in zip(masks, block):
                 if not np.isfinite(blk).any():
                     continue
                 key = S | 1 << t
-                if key in nxt:
-                    np.minimum(nxt[key][:, 1:], blk, out=nxt[key][:, 1:])
-                else:
-                    row = np.full((R, L + 1), np.inf)
-                    row[:, 1:] = blk
-                    nxt[key] = row
+                if key not in nxt:
+                    nxt[key] = np.full((R, L + 1), np.inf)
+                np.minimum(nxt[key][:, 1 + lo: 1 + end], blk, out=nxt[key][:, 1 + lo: 1 + end])
         F = nxt
         if not F:
             break
