@@ -115,7 +115,8 @@ def test_the_per_block_first_test_rejects_only_lists_the_full_bound_rejects(monk
     """`split._may_hold` (the per-block relaxation `list_may_beat` asks first) on every list
     the local search asks about: where it says no, `list_bound`'s own first test says no too
     (else the search would skip a list that may beat the best), term by term (its fill and
-    tail no larger, the layers it holds at each bottleneck no fewer), and it says no to most."""
+    tail no larger, the layers it holds at each bottleneck no fewer; each block's largest cap is
+    its stages' largest), and it says no to most."""
     from pathlib import Path
 
     from h2jax.cluster import load_cluster
@@ -134,6 +135,11 @@ def test_the_per_block_first_test_rejects_only_lists_the_full_bound_rejects(monk
             assert rest <= (parts.fill_end + parts.fill0 + parts.tail0) * (1 + 1e-12), where
             for x in sorted(set((parts.c * parts.caps + parts.e).tolist()))[::7]:
                 assert split._block_held(blocks, x) >= split._held(parts, x)[0], where
+        if len(asked) % 10 == 0:  # a block's largest cap, taken at its fewest micro-batches in flight, is its stages' largest
+            p, i, m = sum(o.stages for o in chosen), 0, ctx.global_batch // b
+            for o, most in zip(chosen, ctx.block_cap_maxima(chosen, m)):
+                assert most == max(int(o.max_layers(ctx.holds(j, p, m)[0])) for j in range(i, i + o.stages)), where
+                i += o.stages
         asked.append(quick)
         return quick
 

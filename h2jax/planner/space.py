@@ -228,13 +228,16 @@ class Context:
         return np.concatenate(out)
 
     def block_cap_maxima(self, options: Sequence[Option], m: int) -> list[int]:
-        """Per block of a stage list, the largest of its stages' `position_caps` (cached)."""
+        """Per block of a stage list, the largest of its stages' `position_caps` (cached):
+        the cap at the fewest in-flight micro-batches among its positions (a stage holds no
+        more layers with more activations in flight: the fit test's bytes grow with them)."""
         p, i, out = sum(o.stages for o in options), 0, []
         for o in options:
             key = ("max", id(o.mem), p, m, i, o.stages)
             most = self._caps.get(key)
             if most is None:
-                most = self._caps[key] = int(self._block_caps(o, p, m, i).max())
+                fewest = min(self.holds(j, p, m)[0] for j in range(i, i + o.stages))
+                most = self._caps[key] = int(o.max_layers(fewest))
             out.append(most)
             i += o.stages
         return out
