@@ -448,12 +448,14 @@ def test_ctrl_c_on_h2jax_plan_writes_the_best_plan_found(tmp_path):
     from tests.conftest import checkout_env
 
     out = tmp_path / "plan.json"
-    cmd = [sys.executable, "-m", "h2jax", "plan", "--cluster", str(REPO / "plans" / "cluster-768.toml"),
-           "--model", "llama-100b", "--seq-len", "4096", "--global-batch-tokens", "8M", "--schedule", "1f1b",
-           "--prove-two-shapes", "--jobs", "1", "--no-baselines", "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env=checkout_env(dict(os.environ)),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (not inherited ignored)
+    args = ["plan", "--cluster", str(REPO / "plans" / "cluster-768.toml"), "--model", "llama-100b",
+            "--seq-len", "4096", "--global-batch-tokens", "8M", "--schedule", "1f1b", "--prove-two-shapes",
+            "--jobs", "1", "--no-baselines", "--out", str(out)]
+    # `python -m h2jax ...`, with Ctrl-C's KeyboardInterrupt even where the test runner ignores SIGINT
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv = ['h2jax'] + sys.argv[1:]; runpy.run_module('h2jax', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", start, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, env=checkout_env(dict(os.environ)))
     try:
         first = proc.stderr.readline()
         assert first.startswith("two-shape proof (1f1b): 0 nodes, 1 open") and "Ctrl-C stops it" in first, first
