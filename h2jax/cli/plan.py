@@ -165,7 +165,7 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     from h2jax.cli.console import count, gib, make_console
 
     console = make_console()
-    from h2jax.planner.space import schedule_label
+    from h2jax.planner.space import TIME_LIMIT, schedule_label
 
     table = Table(title=f"{plan.model_name or 'model'} on {cluster.name} ({count(cluster.n_chips, 'chip')}): "
                   f"{count(plan.n_stages, 'stage')}, micro-batch {plan.micro_batch} x {plan.n_micro}, "
@@ -215,9 +215,9 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
             opt += (f" ({one_shape:.4g} s); two shapes on a type, from a local search (not proved optimal), "
                     f"are {pred['two_shapes_faster_by']:.2%} faster")
         if proved_two is False:
-            stopped = pred.get("two_shapes_stopped_by", "time limit")
+            stopped = pred.get("two_shapes_stopped_by", TIME_LIMIT)
             nodes = count(pred["two_shape_nodes"], "branch-and-bound node")
-            why = (f"within the time limit ({nodes})" if stopped == "time limit"
+            why = (f"within the time limit ({nodes})" if stopped == TIME_LIMIT
                    else f"(stopped by {'Ctrl-C' if stopped == 'SIGINT' else stopped} after {nodes})")
             opt += (f"; two shapes per type NOT proved {why}: "
                     f"their optimum is at least {pred['two_shape_lower_bound_s']:.4g} s")

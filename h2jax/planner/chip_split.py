@@ -60,7 +60,7 @@ from typing import Callable, Mapping, Sequence
 
 from h2jax.planner import dual_search
 from h2jax.planner.mixed_shapes import merged
-from h2jax.planner.space import Candidate, Context, PlannerError, SearchStats
+from h2jax.planner.space import TIME_LIMIT, Candidate, Context, PlannerError, SearchStats
 from h2jax.planner.split import OutOfTime, TopK
 
 NODE_DIVES = 0  # a node search's dives for incumbents (dual_search.DIVE_BATCHES): none, the best so far seeds it
@@ -231,7 +231,7 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
     running: dict = {}  # node order -> (node, its outcome here, or the future of a worker's search)
     t0 = time.perf_counter()
     pool, pool_at = None, t0 + POOL_AFTER_S
-    stopped_by = None
+    stopped_by = None  # what stopped it before every node was searched
 
     def report() -> None:
         if progress is not None:
@@ -241,18 +241,17 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
 
     try:
         report()
-        stopped = False
         while heap or running:
             if pool is None and workers > 1 and time.perf_counter() > pool_at:
                 pool = _NodePool(ctx, micro_batches, workers)
-            while heap and not stopped and len(running) < (workers if pool else 1):
+            while heap and stopped_by is None and len(running) < (workers if pool else 1):
                 if heap[0].bound >= best.time_s:
                     for n in heap:  # every node left is at least as bad (the running ones may split)
                         del open_nodes[n.order]
                     heap.clear()
                     break
                 if time.perf_counter() > deadline:
-                    stopped, stopped_by = True, "time limit"
+                    stopped_by = TIME_LIMIT
                     break
                 node = heapq.heappop(heap)
                 stats.two_shape_nodes += 1
@@ -269,7 +268,7 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
                 for half in _halves(ctx, node, out, counter):
                     push(half)
             if out.kind == "time":  # open again, where its search stopped (the same order: it replaces it)
-                stopped, stopped_by = True, "time limit"
+                stopped_by = TIME_LIMIT
                 push(dataclasses.replace(node, bound=out.bound, start=out.left))
             else:
                 del open_nodes[node.order]

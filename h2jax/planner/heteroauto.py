@@ -130,7 +130,7 @@ def plan_cluster(
     )
     candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, proof_progress=proof_progress,
                               **search_kwargs)
-    if stats.two_shapes_stopped not in (None, "time limit"):  # Ctrl-C: no proof more
+    if stats.proof_interrupted:  # Ctrl-C stopped the proof: the baselines are not proved either
         search_kwargs["prove_two_shapes"] = False
     best = candidates[0]
     plan = candidate_plan(best, model, seq_len, global_batch, optimizer=optimizer)

@@ -79,8 +79,9 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
         if per_stage <= counts[o.chip] - used[o.chip]:
             yield head + (dataclasses.replace(o, stages=o.stages + 1),) + tail
         if len(options) > 1:
-            yield head + tail
-            rest = head + tail  # the block elsewhere in the pipeline (a type may run at both ends)
+            rest = head + tail
+            yield rest
+            # the block elsewhere in the pipeline (a type may run at both ends)
             for j in range(len(rest) + 1):
                 if j != i:
                     yield rest[:j] + (o,) + rest[j:]

@@ -303,7 +303,7 @@ def top_k(
             continue
         if prove_two_shapes and interrupted:  # searched after Ctrl-C, not proved: no bound but 0
             st.two_shapes_proved, st.two_shape_lower_bound_s, st.two_shapes_stopped = False, 0.0, interrupted
-        elif st.two_shapes_stopped not in (None, "time limit"):
+        elif st.proof_interrupted:
             interrupted = st.two_shapes_stopped
         found += cands
         stats.schedule_times[cands[0].label] = cands[0].time_s
@@ -317,7 +317,7 @@ def top_k(
             stats.two_shapes_proved = st.two_shapes_proved and stats.two_shapes_proved is not False
             stats.two_shape_nodes += st.two_shape_nodes
             stats.two_shape_lower_bound_s = min(st.two_shape_lower_bound_s, stats.two_shape_lower_bound_s or math.inf)
-            if stats.two_shapes_stopped in (None, "time limit"):  # a signal's stop says more
+            if not stats.proof_interrupted:  # a signal's stop says more
                 stats.two_shapes_stopped = st.two_shapes_stopped or stats.two_shapes_stopped
     if not found:
         raise errors[0]

@@ -95,6 +95,9 @@ def schedule_label(schedule: str, v: int) -> str:
     return f"{schedule} (v={v})" if v > 1 else schedule
 
 
+TIME_LIMIT = "time limit"  # SearchStats.two_shapes_stopped when the time limit stopped the proof
+
+
 @dataclasses.dataclass
 class SearchStats:
     configs_visited: int = 0  # leaves whose layer split was solved
@@ -123,6 +126,11 @@ class SearchStats:
     # what stopped the proof before it proved the plan: "time limit", or the signal ("SIGINT":
     # Ctrl-C; "SIGTERM") that stopped it and kept the best plan found; None when it finished
     two_shapes_stopped: str | None = None
+
+    @property
+    def proof_interrupted(self) -> bool:
+        """A signal (Ctrl-C, SIGTERM), not the time limit, stopped the two-shape proof."""
+        return self.two_shapes_stopped not in (None, TIME_LIMIT)
 
 
 # ----------------------------------------------------------------------------- the space
