@@ -5,7 +5,8 @@ Prints one JSON object. Planning target: llama-100b, seq 4096, 8M-token global b
 time limit (else `lower_bound_s` is a valid lower bound on the optimum and
 `within_of_optimum` = time / bound - 1). Each shipped cluster is searched `--repeat` times
 (min and median wall time: the search is deterministic, the spread is the machine's).
-Two shapes per chip type: the shipped clusters' plans with the local search after the exact
+`shipped_clusters_auto`: the same clusters under `--schedule auto` (every schedule, the
+time limit shared). Two shapes per chip type: the shipped clusters' plans with the local search after the exact
 one (how much faster than the proved one-shape optimum), the local search and the exact
 two-shape search against the exhaustive two-shape enumeration on `--two-shape-cases` random
 tiny clusters, and the exact two-shape search on the 64- and 768-chip clusters (within
@@ -82,6 +83,27 @@ def shipped_gpipe(time_limit: float) -> dict:
             "step_time_s": round(best.time_s, 4),
             "bound_rows": stats.bound_rows,
             "stage_lists_solved": stats.configs_visited,
+        }
+    return out
+
+
+def shipped_auto(time_limit: float) -> dict:
+    """`--schedule auto` (what `h2jax plan` runs by default), one shape per type, one run each:
+    every schedule searched, each after 1F1B only for plans faster than the best before it,
+    within one time limit shared among them."""
+    out = {}
+    for name in CLUSTERS:
+        cluster = load_cluster(REPO / "plans" / name)
+        t0 = time.perf_counter()
+        (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, schedule="auto",
+                               time_limit_s=time_limit)
+        out[cluster.name] = {
+            "search_time_s": round(time.perf_counter() - t0, 3),
+            "proved_optimal": stats.proved_optimal,
+            "schedule": best.label,
+            "step_time_s": round(best.time_s, 4),
+            "schedule_times_s": {k: round(v, 4) for k, v in stats.schedule_times.items()},
+            "schedule_lower_bounds_s": {k: round(v, 4) for k, v in stats.schedule_bounds.items()},
         }
     return out
 
@@ -284,6 +306,8 @@ def main() -> None:
                         help="the exact two-shape search on the 64- and 768-chip clusters, each within this (s; 0: skip)")
     parser.add_argument("--proof-workers", type=int, default=usable_cpus(),
                         help="processes for the exact two-shape search's second run (default: the usable CPUs; 1: none)")
+    parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
+                        help="also search the shipped clusters under --schedule auto (within --time-limit each)")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")
     args = parser.parse_args()
@@ -292,6 +316,7 @@ def main() -> None:
         "time_limit_s": args.time_limit,
         "shipped_clusters": shipped(args.time_limit, args.repeat),
         "shipped_clusters_gpipe": shipped_gpipe(args.time_limit),
+        **({"shipped_clusters_auto": shipped_auto(args.time_limit)} if args.auto else {}),
         "small_clusters": fast_vs_exhaustive(args.cases, seed=0),
         "shipped_clusters_two_shapes": shipped_two_shapes(args.time_limit),
         "small_clusters_two_shapes": two_shapes_vs_exhaustive(args.two_shape_cases, seed=1),

@@ -154,10 +154,28 @@ def test_plan_reports_the_two_shape_proof(capsys):
     out = capsys.readouterr().out
     assert "among plans with up to two shapes per chip type" in out and "faster than the best with one shape" in out
     # out of time: the plan as found, the two-shape optimum's bound
-    pred.update(two_shapes_proved=False, two_shape_lower_bound_s=0.0123)
+    pred.update(two_shapes_proved=False, two_shape_lower_bound_s=0.0123, two_shapes_faster_by=0.05)
     print_table(result, APART, None)
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "two shapes per type NOT proved within the time limit" in out and "at least 0.0123 s" in out
+    assert "the best found (not proved optimal), are 5.00% faster" in out and "local search" not in out
+
+
+def test_plan_prints_each_schedules_time_or_that_it_is_slower(capsys):
+    """--schedule auto: the winner, the others' times, and those with no plan under the
+    cutoff as slower (proved) or not proved (the time limit stopped their search)."""
+    from h2jax.cli.plan import print_table
+
+    result = plan_cluster(APART, "tiny", 32, 2, schedule="auto", baselines=False, mixed_shapes=False)
+    pred = result.plan.predicted
+    won, t_won = next(iter(pred["schedule_times_s"].items()))
+    assert pred["schedule_bounds_s"]  # (this cluster: a schedule with no plan under 1F1B's)
+    pred["schedule_bounds_s"] = {"gpipe": t_won * 1.5, "zb-h1": t_won * 0.5}
+    print_table(result, APART, None)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"schedule: {won} won;" in out
+    assert f"gpipe slower (no plan under {t_won * 1.5:.4g} s)" in out
+    assert f"zb-h1 no plan found under {t_won:.4g} s, not proved (time limit; at least {t_won * 0.5:.4g} s)" in out
 
 
 class _Stop(Exception):
@@ -416,6 +434,32 @@ def test_ctrl_c_ends_the_proofs_worker_processes(monkeypatch):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.parametrize("case", [0, 1, 4, 5, 6])
+def test_auto_proves_each_schedule_against_the_best_before_it(case):
+    """--schedule auto with the proof: every schedule's proof runs, each after the first only
+    to show that no plan of its schedule beats the best before it (its last report: no node
+    open, the bound at that target); the proved plan's time is the exhaustive two-shape
+    optimum over every schedule, and schedules with no plan under the cutoff are listed with a
+    bound no lower than the plan's time. (Cases whose interleaved proofs take seconds left out.)"""
+    cluster, seq, batch, kw = _multi_node(case)
+    kw["schedule"] = "auto"
+    proofs = []
+    (proved,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_progress=proofs.append, **kw)
+    (full,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, exhaustive=True, **kw)
+    assert stats.two_shapes_proved
+    assert math.isclose(proved.time_s, full.time_s, rel_tol=1e-9), (layout(proved), layout(full))
+    last = {p.schedule: p for p in proofs}
+    assert set(last) == set(stats.schedule_times) | set(stats.schedule_bounds)  # each proved
+    assert all(p.open == 0 and p.bound_s == p.best_s for p in last.values())
+    # each proof's target (the time a plan must beat) is no slower than the one before it ends
+    # with: the best plan so far is its cutoff (but ZB-H1's: its plan may yet lose)
+    before = math.inf
+    for label, p in last.items():  # (in the order the proofs ran)
+        assert p.best_s <= before * (1 + 1e-12), (label, p.best_s, before)
+        before = p.best_s if label != "zb-h1" else before
+    assert stats.schedule_bounds and all(b >= proved.time_s * (1 - 1e-9) for b in stats.schedule_bounds.values())
+
+
 def test_ctrl_c_in_one_schedules_proof_leaves_the_other_schedules_unproved():
     """--schedule auto runs a proof per schedule: after Ctrl-C stops one, the schedules after it
     are searched without one, and the two-shape optimum's bound is then 0 (nothing proved)."""
@@ -430,7 +474,7 @@ def test_ctrl_c_in_one_schedules_proof_leaves_the_other_schedules_unproved():
 
     (best,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_progress=stop_first, **kw)
     assert len(set(proofs)) == 1  # no other schedule's proof ran
-    assert len(stats.schedule_times) > 1  # the others were searched
+    assert len(stats.schedule_times) + len(stats.schedule_bounds) > 1  # the others were searched
     assert stats.proved_optimal  # (their one-shape searches, exactly)
     assert stats.two_shapes_proved is False and stats.two_shapes_stopped == "SIGINT"
     assert stats.two_shape_lower_bound_s == 0.0

@@ -234,13 +234,29 @@ def test_auto_searches_every_schedule_and_reports_the_winner():
     a = ChipType("a", "cpu", 0.05, 1.0, 2, 50.0, 2.0, "t")
     b = ChipType("b", "cpu", 0.2, 0.3, 4, 5.0, 0.5, "t")
     cluster = Cluster((ChipGroup(a, 4), ChipGroup(b, 4)))
-    result = plan_cluster(cluster, "tiny", 32, 8, schedule="auto", baselines=False)
+    result = plan_cluster(cluster, "tiny", 32, 8, schedule="auto", baselines=False, mixed_shapes=False)
     times = result.plan.predicted["schedule_times_s"]
-    assert set(times) >= {"1f1b", "gpipe", "zb-h1"}
+    # each schedule after 1F1B is searched only for plans faster than the best before it:
+    # those with none are listed with a lower bound on their best, at least the winner's time
+    beaten = result.plan.predicted.get("schedule_bounds_s", {})
+    assert set(times) | set(beaten) >= {"1f1b", "gpipe", "zb-h1", "interleaved-1f1b (v=2)"}
+    assert not set(times) & set(beaten)
     assert list(times.values()) == sorted(times.values())
     won = next(iter(times))
     assert result.plan.schedule == won.split(" ")[0]
     assert result.plan.predicted["step_time_s"] == pytest.approx(times[won])
+    assert all(bound >= times[won] for bound in beaten.values())
+    for label in [*times, *beaten]:  # each schedule alone: its best is the time, or above the bound
+        name, _, v = label.partition(" (v=")
+        try:
+            (alone,), _ = top_k(cluster, "tiny", 32, 8, schedule=name, virtual_stages=int(v[:-1]) if v else None)
+        except PlannerError:
+            assert label in beaten  # nothing fits it at all
+            continue
+        if label in times:  # (a schedule's plan faster than the cutoff: its optimum)
+            assert alone.time_s == pytest.approx(times[label], rel=1e-9)
+        else:
+            assert alone.time_s >= beaten[label] - 1e-9
     # auto is the best of each schedule's exact search: the exhaustive one agrees
     (full,), _ = top_k(cluster, "tiny", 32, 8, schedule="auto", exhaustive=True)
     assert full.time_s == pytest.approx(times[won], rel=1e-9)

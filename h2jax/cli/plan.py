@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from typing import Any
 
@@ -189,10 +190,14 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
         console.print(f"  {plan.schedule}'s order replayed; its closed form, which the search ranks by, "
                       f"gives {closed:.4g} s ({closed / pred['step_time_s'] - 1:+.1%})")
     times = pred.get("schedule_times_s") or {}
-    if len(times) > 1:  # --schedule auto: which schedule won, and by how much
+    beaten = pred.get("schedule_bounds_s") or {}
+    if len(times) + len(beaten) > 1:  # --schedule auto: which schedule won, and by how much
         (won, t_won), *rest = times.items()
         console.print(f"schedule: {won} won; " + ", ".join(
-            f"{name} {t:.4g} s ({t / t_won - 1:+.1%})" for name, t in rest))
+            [f"{name} {t:.4g} s ({t / t_won - 1:+.1%})" for name, t in rest]
+            + [f"{name} slower (no plan under {t:.4g} s)" if t >= t_won
+               else f"{name} no plan found under {t_won:.4g} s, not proved (time limit; at least {t:.4g} s)"
+               for name, t in beaten.items()]))
     simulated = pred.get("auto_simulated_s") or {}
     if len(simulated) > 1:  # ZB-H1 was fastest under the closed forms: the simulator decided
         console.print("  ZB-H1 checked by simulation (its closed form can fall short on uneven stages): "
@@ -212,7 +217,8 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
     elif one_shape is not None:  # the fast search proves the one-shape space; two shapes come from a local search
         opt += " among plans with one shape per chip type"
         if pred["two_shapes_faster_by"] > 1e-9:
-            opt += (f" ({one_shape:.4g} s); two shapes on a type, from a local search (not proved optimal), "
+            found_by = "the best found" if proved_two is False else "from a local search"  # (the proof's, or not tried)
+            opt += (f" ({one_shape:.4g} s); two shapes on a type, {found_by} (not proved optimal), "
                     f"are {pred['two_shapes_faster_by']:.2%} faster")
         if proved_two is False:
             stopped = pred.get("two_shapes_stopped_by", TIME_LIMIT)

@@ -60,7 +60,7 @@ from typing import Callable, Mapping, Sequence
 
 from h2jax.planner import dual_search
 from h2jax.planner.mixed_shapes import merged
-from h2jax.planner.space import TIME_LIMIT, Candidate, Context, PlannerError, SearchStats
+from h2jax.planner.space import TIME_LIMIT, Candidate, Context, PlannerError, SearchStats, schedule_label
 from h2jax.planner.split import OutOfTime, TopK
 
 NODE_DIVES = 0  # a node search's dives for incumbents (dual_search.DIVE_BATCHES): none, the best so far seeds it
@@ -114,10 +114,11 @@ class _FirstOver(TopK):
     """The best so far, which stops the node's search at the first plan that beats it and
     takes more than a type's chips (the node then splits: no need for its optimum)."""
 
-    def __init__(self, best: Candidate, counts: Mapping[str, int]) -> None:
-        super().__init__(1)
+    def __init__(self, best: Candidate | None, counts: Mapping[str, int], cutoff: float = math.inf) -> None:
+        super().__init__(1, cutoff)  # a plan must beat the best so far and the cutoff
         self.counts = counts
-        super().push(best)
+        if best is not None:
+            super().push(best)
 
     def push(self, cand: Candidate) -> None:
         if cand.time_s < self.bound and any(sum(u) > self.counts[n] for n, u in usage(cand).items()):
@@ -133,10 +134,14 @@ class _Node:
     start: list | None = dataclasses.field(default=None, compare=False)  # its parent's open boxes
 
 
-def _better(top: _FirstOver, best: Candidate) -> Candidate:
+def _time(best: Candidate | None) -> float:
+    return math.inf if best is None else best.time_s
+
+
+def _better(top: _FirstOver, best: Candidate | None) -> Candidate | None:
     """The best plan within the types' chips that a node's search found, if faster than `best`."""
-    found = top.sorted()[0]
-    return as_real(found) if found.time_s < best.time_s else best
+    found = top.sorted()
+    return as_real(found[0]) if found and found[0].time_s < _time(best) else best
 
 
 @dataclasses.dataclass
@@ -147,16 +152,17 @@ class _Outcome:
     search reached, `left` the boxes it left open (the halves', or its own resumption's, start)."""
 
     kind: str
-    best: Candidate
+    best: Candidate | None
     over: Candidate | None
     bound: float
     left: list
 
 
-def _search_node(ctx: Context, micro_batches: Sequence[int], node: _Node, best: Candidate,
-                 deadline: float) -> _Outcome:
-    """One node's exact search of its virtual cluster, seeded with `best`."""
-    top = _FirstOver(best, ctx.counts)
+def _search_node(ctx: Context, micro_batches: Sequence[int], node: _Node, best: Candidate | None,
+                 deadline: float, cutoff: float = math.inf) -> _Outcome:
+    """One node's exact search of its virtual cluster, seeded with `best` (and `cutoff`, a
+    time to beat from elsewhere)."""
+    top = _FirstOver(best, ctx.counts, cutoff)
     inner, left = SearchStats(), []
     try:
         dual_search.search(virtual_context(ctx, node.bounds), micro_batches, top, inner, deadline,
@@ -203,16 +209,22 @@ class ProofProgress:
         return self.best_s / self.bound_s - 1 if self.bound_s > 0 else math.inf
 
 
-def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stats: SearchStats,
+def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate | None, stats: SearchStats,
           deadline: float = math.inf, workers: int = 1,
-          progress: Callable[[ProofProgress], None] | None = None) -> Candidate:
+          progress: Callable[[ProofProgress], None] | None = None, cutoff: float = math.inf) -> Candidate:
     """The optimum of the two-shape space (`incumbent`: the best plan known, e.g. the local
     search's). Sets `stats.two_shapes_proved`, `two_shape_nodes` and
     `two_shape_lower_bound_s`: on reaching `deadline`, or on KeyboardInterrupt (Ctrl-C), it
     returns the best plan found, not proved, with the least bound of the nodes left open
     (`stats.two_shapes_stopped` says which stopped it). With `workers` > 1, a proof not done
     within POOL_AFTER_S searches that many nodes at once, each in a process of its own
-    (`_NodePool`). `progress` is called when the proof begins and after each node."""
+    (`_NodePool`). `progress` is called when the proof begins and after each node.
+
+    `cutoff`: a time to beat from elsewhere (under `--schedule auto`, the best plan of the
+    schedules proved before this one). The proof then only shows that no plan beats
+    min(its best, cutoff) -- nodes close at that, and it is the bound reported once none is
+    open -- and returns its own best plan, which may be slower than the cutoff, or None
+    (`incumbent` None: none known, and none found faster than the cutoff)."""
     counter = itertools.count()
     heap: list[_Node] = []
     # every node open: on the heap, or taken off it and not done with (its halves, or its
@@ -227,6 +239,10 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
 
     push(_Node(0.0, next(counter), {name: (0, ctx.counts[name] // 2) for name in ctx.order}))
     best = incumbent
+    label = schedule_label(ctx.schedule, ctx.v)
+
+    def target() -> float:  # what a plan must beat
+        return min(_time(best), cutoff)
     stats.two_shapes_proved = False
     running: dict = {}  # node order -> (node, its outcome here, or the future of a worker's search)
     t0 = time.perf_counter()
@@ -236,8 +252,8 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
     def report() -> None:
         if progress is not None:
             bound = min((n.bound for n in open_nodes.values()), default=math.inf)
-            progress(ProofProgress(incumbent.label, stats.two_shape_nodes, len(open_nodes), best.time_s,
-                                   min(bound, best.time_s), time.perf_counter() - t0))
+            progress(ProofProgress(label, stats.two_shape_nodes, len(open_nodes), target(),
+                                   min(bound, target()), time.perf_counter() - t0))
 
     try:
         report()
@@ -245,7 +261,7 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
             if pool is None and workers > 1 and time.perf_counter() > pool_at:
                 pool = _NodePool(ctx, micro_batches, workers)
             while heap and stopped_by is None and len(running) < (workers if pool else 1):
-                if heap[0].bound >= best.time_s:
+                if heap[0].bound >= target():
                     for n in heap:  # every node left is at least as bad (the running ones may split)
                         del open_nodes[n.order]
                     heap.clear()
@@ -256,13 +272,13 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
                 node = heapq.heappop(heap)
                 stats.two_shape_nodes += 1
                 if pool is None:
-                    running[node.order] = (node, _search_node(ctx, micro_batches, node, best, deadline))
+                    running[node.order] = (node, _search_node(ctx, micro_batches, node, best, deadline, cutoff))
                 else:
-                    running[node.order] = (node, pool.submit(node, best, deadline))
+                    running[node.order] = (node, pool.submit(node, best, deadline, cutoff))
             if not running:
                 break
             node, out = pool.next_done(running) if pool else running.popitem()[1]
-            if out.best.time_s < best.time_s:
+            if _time(out.best) < _time(best):
                 best = out.best
             if out.kind == "over":
                 for half in _halves(ctx, node, out, counter):
@@ -278,10 +294,10 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate, stat
     finally:
         if pool is not None:
             pool.close()
-    left = [n for n in open_nodes.values() if n.bound < best.time_s]
+    left = [n for n in open_nodes.values() if n.bound < target()]
     stats.two_shapes_proved = not left
     stats.two_shapes_stopped = stopped_by if left else None
-    stats.two_shape_lower_bound_s = best.time_s if not left else min(min(n.bound for n in left), best.time_s)
+    stats.two_shape_lower_bound_s = target() if not left else min(min(n.bound for n in left), target())
     return best
 
 
@@ -306,9 +322,9 @@ def _exit_with(parent) -> None:
     os._exit(1)
 
 
-def _work(node: _Node, best: Candidate, seconds_left: float) -> _Outcome:
+def _work(node: _Node, best: Candidate | None, seconds_left: float, cutoff: float) -> _Outcome:
     ctx, micro_batches = _WORKER
-    return _search_node(ctx, micro_batches, node, best, time.perf_counter() + seconds_left)
+    return _search_node(ctx, micro_batches, node, best, time.perf_counter() + seconds_left, cutoff)
 
 
 class _NodePool:
@@ -327,9 +343,9 @@ class _NodePool:
         self._pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _start_worker,
                                          (fresh, list(micro_batches)))
 
-    def submit(self, node: _Node, best: Candidate, deadline: float):
+    def submit(self, node: _Node, best: Candidate | None, deadline: float, cutoff: float = math.inf):
         left = deadline - time.perf_counter() if math.isfinite(deadline) else math.inf  # (clocks are per process)
-        return self._pool.submit(_work, node, best, left)
+        return self._pool.submit(_work, node, best, left, cutoff)
 
     def next_done(self, running: dict) -> tuple[_Node, _Outcome]:
         """The next node whose search ended and how, taken off `running` (order -> (node, future))."""

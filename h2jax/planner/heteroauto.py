@@ -159,9 +159,11 @@ def plan_cluster(
         predicted["two_shape_nodes"] = stats.two_shape_nodes
         if stats.two_shapes_stopped is not None:
             predicted["two_shapes_stopped_by"] = stats.two_shapes_stopped
-    if len(stats.schedule_times) > 1:  # --schedule auto: each schedule's best, the plan's first, then fastest first
+    if len(stats.schedule_times) + len(stats.schedule_bounds) > 1:  # --schedule auto: each schedule's best, the plan's first, then fastest first
         predicted["schedule_times_s"] = dict(sorted(stats.schedule_times.items(),
                                                     key=lambda kv: (kv[0] != best.label, kv[1])))
+    if stats.schedule_bounds:  # --schedule auto: schedules with no plan faster than the best before them
+        predicted["schedule_bounds_s"] = dict(stats.schedule_bounds)
     if stats.auto_simulated:  # ZB-H1 fastest under the cost model: the simulator's step of it and the next
         predicted["auto_simulated_s"] = dict(stats.auto_simulated)
 

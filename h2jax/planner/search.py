@@ -37,6 +37,7 @@ part is minimised exactly by filling the cheapest stages first.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -53,7 +54,7 @@ from h2jax.planner.mixed_shapes import refine
 from h2jax.planner.profile import Profile
 from h2jax.planner.space import (  # noqa: F401  (re-exported: the planner's public names)
     Candidate, Context, Option, PlannerError, SearchStats, candidate_plan, divisors, make_context,
-    micro_batches_of, pipeline_order, tensor_sizes,
+    micro_batches_of, pipeline_order, schedule_label, tensor_sizes,
 )
 from h2jax.planner.split import OutOfTime, TopK, best_split, solve, stage_list_sends  # noqa: F401
 from h2jax.schedules import AUTO, variants
@@ -61,10 +62,12 @@ from h2jax.cluster import Cluster
 
 
 def _search_dual(
-    ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf
+    ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf,
+    cutoff: float = math.inf,
 ) -> list[Candidate]:
-    """Boxes of (steady, tail) thresholds with Lagrangian bounds (dual_search.py)."""
-    top = TopK(k)
+    """Boxes of (steady, tail) thresholds with Lagrangian bounds (dual_search.py); with a
+    `cutoff`, only the plans faster than it."""
+    top = TopK(k, cutoff)
     try:
         dual_search.search(ctx, micro_batches, top, stats, deadline)
     except OutOfTime:
@@ -263,10 +266,12 @@ def top_k(
     (chip_split.prove; `stats.two_shapes_proved`), within the time limit; `proof_workers`
     processes search its nodes at once once it has run a second (spawned: they import the
     main module, so a script calls this under `if __name__ == "__main__":`), and
-    `proof_progress` hears from it after each node (chip_split.ProofProgress). Ctrl-C during
-    a proof stops it as the time limit does (`stats.two_shapes_stopped`): the schedules after
-    it are still searched, without a proof (their two-shape optimum then has no bound but 0);
-    Ctrl-C elsewhere raises KeyboardInterrupt as usual.
+    `proof_progress` hears from it after each node (chip_split.ProofProgress). Several
+    schedules (`auto`) are all searched first, then proved, the fastest plan's first; each
+    later proof only shows that its schedule has no plan faster than the best before it
+    (`_prove_all`). Ctrl-C during a proof stops it as the time limit does
+    (`stats.two_shapes_stopped`): the proofs after it do not run (their two-shape optimum then
+    has no bound but 0); Ctrl-C elsewhere raises KeyboardInterrupt as usual.
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
@@ -285,28 +290,46 @@ def top_k(
         return _top_k_one(cluster, model, seq_len, global_batch, k, *runs[0], exhaustive, profile,
                           micro_batches, recompute, options, time_limit_s, mixed_shapes, prove_two_shapes,
                           proof_workers, proof_progress)
-    found: list[Candidate] = []
     stats = SearchStats(lower_bound_s=math.inf)
     errors: list[PlannerError] = []
     # One limit for the whole search: each schedule gets an equal share of the time left, so a
-    # slow one cannot starve those after it.
+    # slow one cannot starve those after it (the proofs, after every search, share what is left).
     end = None if time_limit_s is None else time.perf_counter() + time_limit_s
-    interrupted = None  # the signal that stopped a proof: the schedules after it are not proved
+
+    def share(done: int, of: int) -> float | None:
+        return None if end is None else max(1e-3, (end - time.perf_counter()) / (of - done))
+
+    # Each schedule after the first is searched only for plans faster than the best ones found
+    # before it (`cutoff`: the k-th fastest one-shape plan so far, of schedules whose closed
+    # form is exact -- ZB-H1's can be short, and the simulator may yet reject its plan): the
+    # same plans and times, without proving the slower schedules' own optima (on 768 chips
+    # their searches took 9 / 6 / 19 s alone). 1F1B goes first: under the cost model it wins
+    # most often, and it is the cheapest to search.
+    runs = sorted(runs, key=lambda run: run[0] != "1f1b")
+    best_so_far = TopK(k)  # (a later schedule's local search starts from its lists that beat them)
+    searched: list[_Searched] = []
     for idx, (name, v) in enumerate(runs):
-        left = None if end is None else max(1e-3, (end - time.perf_counter()) / (len(runs) - idx))
         try:
-            cands, st = _top_k_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
-                                   micro_batches, recompute, options, left, mixed_shapes,
-                                   prove_two_shapes and not interrupted, proof_workers, proof_progress)
+            one = _search_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
+                              micro_batches, recompute, options, share(idx, len(runs)), mixed_shapes,
+                              best_so_far.bound)
         except PlannerError as e:
             errors.append(e)
             continue
-        if prove_two_shapes and interrupted:  # searched after Ctrl-C, not proved: no bound but 0
-            st.two_shapes_proved, st.two_shape_lower_bound_s, st.two_shapes_stopped = False, 0.0, interrupted
-        elif st.proof_interrupted:
-            interrupted = st.two_shapes_stopped
-        found += cands
-        stats.schedule_times[cands[0].label] = cands[0].time_s
+        searched.append(one)
+        if one.ctx.sched.closed_form.exact:
+            for cand in one.one_shape:
+                best_so_far.push(cand)
+    if prove_two_shapes and not exhaustive:
+        _prove_all(searched, k, share, proof_workers, proof_progress)
+    found: list[Candidate] = []
+    for one in searched:
+        st = one.stats
+        found += one.found
+        if one.found:
+            stats.schedule_times[one.found[0].label] = one.found[0].time_s
+        else:  # none faster than the cutoff: a lower bound on its best
+            stats.schedule_bounds[one.label] = st.lower_bound_s
         for f in ("configs_visited", "plans_evaluated", "space_size", "bound_rows", "search_time_s"):
             setattr(stats, f, getattr(stats, f) + getattr(st, f))
         stats.proved_optimal &= st.proved_optimal
@@ -360,30 +383,54 @@ def _zb_h1_confirmed(found: list[Candidate], cluster, model, seq_len, global_bat
 REFINE_STARTS = 3
 
 
-def _top_k_one(
+@dataclasses.dataclass
+class _Searched:
+    """One schedule's search, before its two-shape proof: its plans (fastest first; none where
+    none beat its cutoff), its exact search's one-shape plans, stats, context and micro-batch
+    sizes (what the proof needs), and the deadline it ran under."""
+
+    found: list[Candidate]
+    one_shape: list[Candidate]
+    stats: SearchStats
+    ctx: Context
+    micro_batches: list[int]
+    deadline: float
+
+    @property
+    def label(self) -> str:
+        return schedule_label(self.ctx.schedule, self.ctx.v)
+
+
+def _search_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
-    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False, proof_workers=1, proof_progress=None,
-) -> tuple[list[Candidate], SearchStats]:
+    options, time_limit_s, mixed_shapes=False, cutoff=math.inf,
+) -> _Searched:
+    """One schedule's exact search (and, with `mixed_shapes`, the local search over two shapes
+    from its best one-shape lists); with a `cutoff`, only for plans faster than it (none found:
+    `found` empty, `stats.lower_bound_s` at least the cutoff where the search finished)."""
     ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
     mbs = micro_batches_of(global_batch, micro_batches)
     stats = SearchStats()
     t0 = time.perf_counter()
+    deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
     if exhaustive:
         check_exhaustive_size(ctx, mbs, mixed_shapes)
-        found = _search_exhaustive(ctx, mbs, k, stats, mixed_shapes)
-        if found:
-            stats.lower_bound_s = found[0].time_s
+        found = [c for c in _search_exhaustive(ctx, mbs, k, stats, mixed_shapes) if c.time_s < cutoff]
+        one_shape = found
+        stats.lower_bound_s = found[0].time_s if found else cutoff
     else:
-        deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
         # two shapes: the local search starts from the REFINE_STARTS best one-shape lists
-        found = _search_dual(ctx, mbs, max(k, REFINE_STARTS) if mixed_shapes else k, stats, deadline)
+        found = one_shape = _search_dual(ctx, mbs, max(k, REFINE_STARTS) if mixed_shapes else k, stats, deadline,
+                                         cutoff)
+        if not found and stats.proved_optimal:
+            stats.lower_bound_s = cutoff  # (infinite without one: nothing fits, below)
         if mixed_shapes and found:
             stats.one_shape_time_s = found[0].time_s
             better = refine(ctx, found[:REFINE_STARTS], mbs, stats, deadline)
-            if prove_two_shapes:  # (out of time already where the one-shape search was: the root's bound)
-                better = chip_split.prove(ctx, mbs, better, stats, deadline, proof_workers, proof_progress)
             found = [better] + [c for c in found if c is not better][: k - 1]
     stats.search_time_s = time.perf_counter() - t0
+    if not found and math.isfinite(cutoff):  # beaten (or not proved beaten where time ran out)
+        return _Searched([], [], stats, ctx, mbs, deadline)
     if not found and not stats.proved_optimal:
         raise PlannerError(
             f"the search ran out of its time limit ({time_limit_s} s) before finding any plan; "
@@ -392,7 +439,52 @@ def _top_k_one(
     if not found:
         raise PlannerError(explain_unfit(ctx, mbs))
     stats.schedule_times[found[0].label] = found[0].time_s
-    return found, stats
+    return _Searched(found, one_shape, stats, ctx, mbs, deadline)
+
+
+def _prove(one: _Searched, k: int, deadline: float, workers: int, progress, cutoff: float = math.inf) -> None:
+    """The two-shape proof of one schedule's search (chip_split.prove, from its best plan;
+    `cutoff`: the best time of the schedules proved before it), its plan first in `one.found`."""
+    t0 = time.perf_counter()
+    best = one.found[0] if one.found else None
+    better = chip_split.prove(one.ctx, one.micro_batches, best, one.stats, deadline, workers, progress, cutoff)
+    if better is not None:
+        one.found = [better] + [c for c in one.found if c is not better][: k - 1]
+        one.stats.schedule_times[better.label] = better.time_s
+    one.stats.search_time_s += time.perf_counter() - t0
+
+
+def _prove_all(searched: list[_Searched], k: int, share: Callable[[int, int], float | None], workers: int,
+               progress) -> None:
+    """The two-shape proofs of several schedules' searches (`--schedule auto`), the fastest
+    plan's first: each proves only that no plan of its schedule beats the best found before it
+    (`cutoff`), which is all the fastest plan's proof needs of it, and far less than its own
+    optimum. Each gets an equal share of the time left (`share`). After Ctrl-C stops one, the
+    rest are not proved: their two-shape optimum has no bound but 0."""
+    cutoff, interrupted = math.inf, None
+    todo = sorted(searched, key=lambda one: one.found[0].time_s if one.found else math.inf)
+    for idx, one in enumerate(todo):
+        if interrupted:
+            st = one.stats
+            st.two_shapes_proved, st.two_shape_lower_bound_s, st.two_shapes_stopped = False, 0.0, interrupted
+            continue
+        left = share(idx, len(todo))
+        _prove(one, k, math.inf if left is None else time.perf_counter() + left, workers, progress, cutoff)
+        if one.found and one.ctx.sched.closed_form.exact:  # (ZB-H1's plan may yet lose: no cutoff)
+            cutoff = min(cutoff, one.found[0].time_s)
+        if one.stats.proof_interrupted:
+            interrupted = one.stats.two_shapes_stopped
+
+
+def _top_k_one(
+    cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
+    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False, proof_workers=1, proof_progress=None,
+) -> tuple[list[Candidate], SearchStats]:
+    one = _search_one(cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches,
+                      recompute, options, time_limit_s, mixed_shapes)
+    if prove_two_shapes and not exhaustive:  # (out of time already where the search was: the root's bound)
+        _prove(one, k, one.deadline, proof_workers, proof_progress)
+    return one.found, one.stats
 
 
 def explain_unfit(ctx: Context, micro_batches: Sequence[int]) -> str:

@@ -112,6 +112,10 @@ class SearchStats:
     lower_bound_s: float = 0.0
     # --schedule auto: the best iteration time of each schedule searched (label -> seconds)
     schedule_times: dict = dataclasses.field(default_factory=dict)
+    # --schedule auto: the schedules searched against a cutoff (the best plans of those searched
+    # before them) with no plan found faster than it (label -> a lower bound on their best, s:
+    # at least the cutoff where the search finished, less where the time limit stopped it)
+    schedule_bounds: dict = dataclasses.field(default_factory=dict)
     # --schedule auto, where ZB-H1 was fastest under the cost model: the simulated step of it
     # and of the next schedule's best (label -> seconds); the faster is the plan
     auto_simulated: dict = dataclasses.field(default_factory=dict)

@@ -517,18 +517,24 @@ def _block_held(blocks: list[tuple[int, int, float]], bottleneck: float) -> int:
 
 
 class TopK:
-    def __init__(self, k: int) -> None:
-        self.k, self.heap, self.counter = k, [], itertools.count()
+    """The k fastest plans offered, and `bound`, the time a plan must beat to enter: the k-th
+    fastest's, and at most `cutoff` (a time to beat from elsewhere: plans no faster are not
+    kept, so a search with one only shows that none beats it)."""
+
+    def __init__(self, k: int, cutoff: float = math.inf) -> None:
+        self.k, self.heap, self.counter, self.cutoff = k, [], itertools.count(), cutoff
 
     @property
     def bound(self) -> float:
-        return -self.heap[0][0] if len(self.heap) >= self.k else math.inf
+        return min(-self.heap[0][0] if len(self.heap) >= self.k else math.inf, self.cutoff)
 
     def push(self, cand: Candidate) -> None:
         key = (cand.micro_batch, cand.options)
         if any(c.micro_batch == key[0] and c.options == key[1] for _, _, c in self.heap):
             return  # an incumbent pass already found this stage list
         item = (-cand.time_s, -next(self.counter), cand)
+        if cand.time_s >= self.cutoff:
+            return
         if len(self.heap) < self.k:
             heapq.heappush(self.heap, item)
         elif cand.time_s < self.bound:
