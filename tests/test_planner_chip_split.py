@@ -434,7 +434,7 @@ def test_ctrl_c_ends_the_proofs_worker_processes(monkeypatch):
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.parametrize("case", [0, 1, 4, 5, 6])
+@pytest.mark.parametrize("case", [0, 1, 2, 4, 5, 6])
 def test_auto_proves_each_schedule_against_the_best_before_it(case):
     """--schedule auto with the proof: every schedule's proof runs, each after the first only
     to show that no plan of its schedule beats the best before it (its last report: no node

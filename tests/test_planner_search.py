@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision
 from h2jax.planner import PlannerError, top_k
+from h2jax.planner import cost_model as cm
 from h2jax.planner.search import make_context
 from h2jax.planner.split import _breakpoints, list_bound, list_may_beat
 
@@ -260,6 +261,29 @@ def test_auto_searches_every_schedule_and_reports_the_winner():
     # auto is the best of each schedule's exact search: the exhaustive one agrees
     (full,), _ = top_k(cluster, "tiny", 32, 8, schedule="auto", exhaustive=True)
     assert full.time_s == pytest.approx(times[won], rel=1e-9)
+
+
+def test_interleaved_tables_hold_no_stage_beyond_the_most_stages_m_allows():
+    """Interleaved 1F1B runs p stages only where p divides m, so p <= m: its tables hold no
+    stage at positions beyond the largest such p, and every bound and walk leaves out the
+    lists the leaves would refuse (they used to be walked in every box: this cluster's
+    two-shape proof ran past 15 s, now a tenth of a second); the optimum is the exhaustive
+    one's, with one shape and with two."""
+    from h2jax.planner import positions as pos
+
+    a = ChipType("a", "cpu", 0.008, 1.0, 2, 5.0, 2.0, "t")
+    b = ChipType("b", "cpu", 0.004, 1.0, 4, 50.0, 0.5, "t")
+    cluster = Cluster((ChipGroup(a, 3), ChipGroup(b, 6)))
+    kw = dict(schedule="interleaved-1f1b", virtual_stages=2, recompute=("none", "full"))
+    ctx = make_context(cluster, "tiny", 32, 2, "interleaved-1f1b", None, cm.CostOptions(), ("none", "full"), 2)
+    for table in pos.type_tables(ctx, 1):  # m = 2 of the model's 4 layers: positions 3 and 4 hold no stage
+        assert not table.memcap[..., 2:].any() and table.memcap[..., :2].any()
+    (fast,), _ = top_k(cluster, "tiny", 32, 2, **kw)
+    (full,), _ = top_k(cluster, "tiny", 32, 2, exhaustive=True, **kw)
+    assert fast.time_s == pytest.approx(full.time_s, rel=1e-9)
+    (proved,), stats = top_k(cluster, "tiny", 32, 2, prove_two_shapes=True, **kw)
+    (full_two,), _ = top_k(cluster, "tiny", 32, 2, exhaustive=True, mixed_shapes=True, **kw)
+    assert stats.two_shapes_proved and proved.time_s == pytest.approx(full_two.time_s, rel=1e-9)
 
 
 def test_a_lists_candidate_bottlenecks_are_every_stages_values_taken_once():

@@ -122,6 +122,10 @@ def _type_table(ctx, b: int, shapes) -> TypeTable:
     if mems:
         caps = StageMemoryTerms.stacked(mems).max_layers(in_flight[None, :], deferred=0)
         memcap = np.ascontiguousarray(clip_caps(caps, L).reshape(S, 4, L).transpose(1, 0, 2))
+    # positions no pipeline the schedule runs reaches hold no stage (interleaved 1F1B: p must
+    # divide m, so p <= m): every bound and walk then leaves out the lists it would refuse
+    p_max = max((p for p in range(1, L + 1) if sched.unsupported(p, m, v) is None), default=0)
+    memcap[..., p_max:] = 0
     return TypeTable(
         list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
         steady_a, steady_end,
