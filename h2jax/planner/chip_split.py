@@ -211,7 +211,7 @@ class ProofProgress:
 
 def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate | None, stats: SearchStats,
           deadline: float = math.inf, workers: int = 1,
-          progress: Callable[[ProofProgress], None] | None = None, cutoff: float = math.inf) -> Candidate:
+          progress: Callable[[ProofProgress], None] | None = None, cutoff: float = math.inf) -> Candidate | None:
     """The optimum of the two-shape space (`incumbent`: the best plan known, e.g. the local
     search's). Sets `stats.two_shapes_proved`, `two_shape_nodes` and
     `two_shape_lower_bound_s`: on reaching `deadline`, or on KeyboardInterrupt (Ctrl-C), it
@@ -243,6 +243,7 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate | Non
 
     def target() -> float:  # what a plan must beat
         return min(_time(best), cutoff)
+
     stats.two_shapes_proved = False
     running: dict = {}  # node order -> (node, its outcome here, or the future of a worker's search)
     t0 = time.perf_counter()
