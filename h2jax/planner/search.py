@@ -300,9 +300,8 @@ def top_k(
         return None if end is None else max(1e-3, (end - time.perf_counter()) / (of - done))
 
     # Each schedule after the first is searched only for plans faster than the best ones found
-    # before it (`cutoff`: the k-th fastest one-shape plan so far, of schedules whose closed
-    # form is exact -- ZB-H1's can be short, and the simulator may yet reject its plan): the
-    # same plans and times, without proving the slower schedules' own optima (on 768 chips
+    # before it (`cutoff`: the k-th fastest one-shape plan so far of those that set one,
+    # `_Searched.sets_cutoff`): the same plans and times, without proving the slower schedules' own optima (on 768 chips
     # their searches took 9 / 6 / 19 s alone). 1F1B goes first: under the cost model it wins
     # most often, and it is the cheapest to search.
     runs = sorted(runs, key=lambda run: run[0] != "1f1b")
@@ -317,7 +316,7 @@ def top_k(
             errors.append(e)
             continue
         searched.append(one)
-        if one.ctx.sched.closed_form.exact:
+        if one.sets_cutoff:
             for cand in one.one_shape:
                 best_so_far.push(cand)
     if prove_two_shapes and not exhaustive:
@@ -400,6 +399,13 @@ class _Searched:
     def label(self) -> str:
         return schedule_label(self.ctx.schedule, self.ctx.v)
 
+    @property
+    def sets_cutoff(self) -> bool:
+        """Whether its plans bound the schedules after it: not where its closed form is not
+        exact (ZB-H1's can be short: the simulator may yet reject its plan, and the fastest
+        plan of the others must then be known)."""
+        return self.ctx.sched.closed_form.exact
+
 
 def _search_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
@@ -470,7 +476,7 @@ def _prove_all(searched: list[_Searched], k: int, share: Callable[[int, int], fl
             continue
         left = share(idx, len(todo))
         _prove(one, k, math.inf if left is None else time.perf_counter() + left, workers, progress, cutoff)
-        if one.found and one.ctx.sched.closed_form.exact:  # (ZB-H1's plan may yet lose: no cutoff)
+        if one.found and one.sets_cutoff:
             cutoff = min(cutoff, one.found[0].time_s)
         if one.stats.proof_interrupted:
             interrupted = one.stats.two_shapes_stopped

@@ -529,12 +529,12 @@ class TopK:
         return min(-self.heap[0][0] if len(self.heap) >= self.k else math.inf, self.cutoff)
 
     def push(self, cand: Candidate) -> None:
+        if cand.time_s >= self.cutoff:
+            return
         key = (cand.micro_batch, cand.options)
         if any(c.micro_batch == key[0] and c.options == key[1] for _, _, c in self.heap):
             return  # an incumbent pass already found this stage list
         item = (-cand.time_s, -next(self.counter), cand)
-        if cand.time_s >= self.cutoff:
-            return
         if len(self.heap) < self.k:
             heapq.heappush(self.heap, item)
         elif cand.time_s < self.bound:
