@@ -286,6 +286,68 @@ def test_interleaved_tables_hold_no_stage_beyond_the_most_stages_m_allows():
     assert stats.two_shapes_proved and proved.time_s == pytest.approx(full_two.time_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2),
+                                          ("interleaved-1f1b", 4)])
+def test_a_ranges_tables_hold_the_least_over_its_lengths(schedule, v):
+    """`position_holds` of a range p_lo..p_hi of stage counts: at each position j from the end,
+    the in-flight and deferred counts are at most those of every pipeline of the range that
+    reaches j and that the schedule runs, and equal to one of them (the least); a list may end
+    only at such a length. Without a range: the schedule's `position_in_flight`, no deferred
+    gradients, every length it runs. `length_ranges` splits only where a position's counts
+    depend on the length (ZB-H1, interleaved 1F1B), into ranges that cover the lengths the
+    schedule runs once each, in order, each within LENGTH_RATIO."""
+    from h2jax.planner import dual_search as ds
+    from h2jax.planner import positions as pos
+
+    model = {"vocab_size": 256, "d_model": 64, "n_layers": 24, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128}
+    a = ChipType("a", "cpu", 0.05, 1.0, 2, 50.0, 2.0, "t")
+    for batch in (4, 12, 16, 48):
+        ctx = make_context(Cluster((ChipGroup(a, 8),)), model, 32, batch, schedule, None, cm.CostOptions(),
+                           ("none",), v)
+        sched, L, m = ctx.sched, 24, batch
+        runs = [p for p in range(1, L + 1) if sched.unsupported(p, m, v) is None]
+        in_flight, deferred, ends = pos.position_holds(ctx, m, None)
+        assert in_flight.tolist() == [sched.position_in_flight(j, m, v) for j in range(1, L + 1)]
+        assert not deferred.any() and np.flatnonzero(ends).tolist() == runs
+        ranges = ds.length_ranges(ctx, m)
+        if schedule in ("1f1b", "gpipe"):
+            assert ranges == [None]
+            continue
+        covered = [p for lo, hi in ranges for p in runs if lo <= p <= hi]
+        assert covered == runs and all(hi <= ds.LENGTH_RATIO * lo for lo, hi in ranges)
+        assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))
+        for lo, hi in [*ranges, (1, L), (3, 9)]:
+            in_flight, deferred, ends = pos.position_holds(ctx, m, (lo, hi))
+            lengths = [p for p in runs if lo <= p <= hi]
+            assert np.flatnonzero(ends).tolist() == lengths
+            for j in range(1, max(lengths, default=0) + 1):
+                held = [(sched.memory_in_flight(p - j, p, m, v), sched.deferred(p - j, p, m, v))
+                        for p in lengths if p >= j]
+                assert in_flight[j - 1] == min(h[0] for h in held) and deferred[j - 1] == min(h[1] for h in held)
+
+
+def _chip(name, memory_gib, tflops, per_node, intra, inter, compute="float32"):
+    return ChipType(name, "cpu", memory_gib, tflops, per_node, intra, inter, "t",
+                    precision=Precision("float32", compute))
+
+
+@pytest.mark.parametrize("cluster, model, seq, batch, schedule", [
+    (Cluster((ChipGroup(_chip("c0", 0.008, 0.1, 2, 5.0, 2.0, "bfloat16"), 15), ChipGroup(_chip("c1", 1.0, 2.5, 1, 5.0, 0.5), 8))),
+     "small", 32, 6, "zb-h1"),
+    (Cluster((ChipGroup(_chip("c0", 0.016, 1.0, 2, 50.0, 2.0), 6), ChipGroup(_chip("c1", 1.0, 2.5, 2, 50.0, 0.5), 5),
+              ChipGroup(_chip("c2", 0.016, 0.3, 2, 5.0, 0.5, "bfloat16"), 2))),
+     "tiny", 128, 8, "interleaved-1f1b"),
+])
+def test_the_search_over_ranges_of_lengths_is_exact(cluster, model, seq, batch, schedule):
+    """ZB-H1 and interleaved 1F1B are searched in ranges of stage counts, several per
+    micro-batch size, each with its own tables (`length_ranges`): the optimum equals the
+    exhaustive one's. (These cases failed when the boxes of a micro-batch size's ranges were
+    bounded together with one range's tables.)"""
+    (fast,), stats = top_k(cluster, model, seq, batch, schedule=schedule)
+    (full,), _ = top_k(cluster, model, seq, batch, schedule=schedule, exhaustive=True)
+    assert stats.proved_optimal and fast.time_s == pytest.approx(full.time_s, rel=1e-9)
+
+
 def test_a_lists_candidate_bottlenecks_are_every_stages_values_taken_once():
     """best_split's bottleneck candidates come from one run per distinct (per-layer, end) pair,
     up to the largest cap among its stages: the same values as one run per stage."""

@@ -23,6 +23,14 @@ not the thresholds). A plan in the box that beats the incumbent has a list whose
 the box is below it, so that list is solved: when the heap is empty, the incumbent is the
 optimum of the space. Incumbents come from shallow dives of the same enumeration at the
 smallest feasible bottleneck of the most promising micro-batch sizes and a few multiples.
+
+Where what a stage holds depends on the pipeline's length p, not only on its position from
+the end (ZB-H1: min(p, m) micro-batches at every stage; interleaved 1F1B: about (v - 1)/v * p
+more than 1F1B), bounds over every length let a short pipeline's stages hold what only a
+long one's last stages hold. There a micro-batch size's root box, once it cannot be dropped,
+is taken apart into ranges of lengths (`length_ranges`, at most LENGTH_RATIO wide), each
+with its own tables: the least each position holds over the range's lengths, and a list's
+front block ending only at one of them (`positions.position_holds`).
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ class _Batch:
     b: int
     m: int
     tables: list[pos.TypeTable]
+    lengths: tuple[int, int] | None  # its lists' stage counts, p_lo..p_hi (None: every length)
     v_feasible: float  # 1F1B: every plan's steady is >= this (GPipe: 0)
     v_fits: float  # some stage list holds the model with every steady component under it
     lam_grid: np.ndarray
@@ -76,6 +85,9 @@ class _Batch:
     rows: int = 0  # bound rows evaluated, for SearchStats
     staged: dict = dataclasses.field(default_factory=dict)  # (id of a shape, k) -> its option of k stages
     fits: dict = dataclasses.field(default_factory=dict)  # a box's upper corner (bytes) -> 1 if it holds L layers, else 0
+    # over every length, of a schedule whose positions' holds depend on it (`length_ranges`):
+    # the ranges its box is taken apart into instead of being split or resolved (None: split)
+    ranges: list | None = None
 
     def with_stages(self, option, k: int):
         """The shape `option` (one of the tables') with k stages, made once."""
@@ -205,12 +217,14 @@ def _root_bound(ctx: Context, b: int) -> tuple[float, float]:
     return envelope_bound(weight, L, rest, cheapest, stairs), envelope_bottleneck(L, rest)
 
 
-def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool) -> _Batch | None:
-    """The tables of micro-batch b; `bracket`: also bracket the smallest feasible steady
-    (v_fits, where the dives start; else v_fits is unknown and v_feasible = v_balance)."""
+def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool,
+                lengths: tuple[int, int] | None = None) -> _Batch | None:
+    """The tables of micro-batch b, for the stage lists of `lengths` stages (None: all);
+    `bracket`: also bracket the smallest feasible steady (v_fits, where the dives start; else
+    v_fits is unknown and v_feasible = v_balance)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
-    tables = pos.type_tables(ctx, b)
+    tables = pos.type_tables(ctx, b, lengths)
     if not any(t.size for t in tables):
         return None
     a = np.concatenate([t.a for t in tables if t.size])
@@ -231,7 +245,7 @@ def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool) -> _Batch
     hi = float(steady_max.max())
     lo = min(v_balance, hi)
     floor = lo if K == 1 else 0.0
-    batch = _Batch(b, m, tables, floor, math.nan, grid, t_max, steady_max, weight)
+    batch = _Batch(b, m, tables, lengths, floor, math.nan, grid, t_max, steady_max, weight)
     if not bracket or batch.lists <= RESOLVE_LISTS:  # (a small space is resolved at once: no dives)
         return batch
     if not fits(np.array([hi]))[0]:
@@ -242,7 +256,34 @@ def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool) -> _Batch
         first = int(np.argmax(ok)) if ok.any() else len(probes)
         lo = float(probes[first - 1]) if first > 0 else lo
         hi = float(probes[first]) if first < len(probes) else hi
-    return _Batch(b, m, tables, lo if K == 1 else 0.0, hi, grid, t_max, steady_max, weight)
+    return _Batch(b, m, tables, lengths, lo if K == 1 else 0.0, hi, grid, t_max, steady_max, weight)
+
+
+LENGTH_RATIO = 1.5  # a range of stage counts p_lo..p_hi (`length_ranges`) spans at most this ratio
+
+
+def length_ranges(ctx: Context, m: int) -> list[tuple[int, int] | None]:
+    """The ranges p_lo..p_hi of stage counts the search takes apart at m micro-batches, each
+    with its own tables (`positions.position_holds`): [None] (one range, every length) where
+    what a position holds does not depend on the pipeline's length (1F1B, GPipe); else the
+    lengths the schedule runs, each range spanning at most LENGTH_RATIO. ZB-H1 holds min(p, m)
+    micro-batches at every stage and interleaved 1F1B about (v - 1) / v * p more than 1F1B:
+    bounds taken over every length let a short pipeline's stages hold what only a long one's
+    last stages hold."""
+    L, sched, v = ctx.model.n_layers, ctx.sched, ctx.v
+    same = all(
+        sched.memory_in_flight(0, j, m, v) == sched.memory_in_flight(L - j, L, m, v)
+        and sched.deferred(0, j, m, v) == sched.deferred(L - j, L, m, v) for j in range(1, L + 1)
+    )
+    if same:
+        return [None]
+    out: list[tuple[int, int] | None] = []
+    for p in (p for p in range(1, L + 1) if sched.unsupported(p, m, v) is None):
+        if out and p <= out[-1][0] * LENGTH_RATIO:
+            out[-1] = (out[-1][0], p)
+        else:
+            out.append((p, p))
+    return out
 
 
 def ordered_lists(blocks: Sequence[int]) -> int:
@@ -284,6 +325,9 @@ class _Enumerator:
                         for u in self.u]
         self.leaves_left = max_leaves
         self.memo: dict = {}
+        # a front block ends the list: a child only where its end is a pipeline length the
+        # schedule runs (interleaved 1F1B: p divides m)
+        self.ends = self.batch.tables[0].ends
         self._visit((1 << len(self.tables)) - 1, 0, 0.0, 0.0, ())
 
     def _children(self, left: int, q: int) -> tuple[np.ndarray, ...]:
@@ -313,10 +357,10 @@ class _Enumerator:
             mid = Wm[:, end] + start
             mid_b = np.where(fits & mid_ok[:, end], mid + G[end][None, :], np.inf)
             front = Wm[:, end - 1] + first[:, end] + start
-            front_ok = fits & mid_ok[:, end - 1]
+            front_ok = fits & mid_ok[:, end - 1] & self.ends[end][None, :]
             if q == 0:
                 front[:, 0] = w.only1[0]
-                front_ok[:, 0] = True
+                front_ok[:, 0] = self.ends[1]
             front_b = np.where(front_ok, front, np.inf)
             u, cum = self.u[t2], self.mid_sum[t2]
             # layers held: middle stages at positions q+1 .. (the last stage's own cap at 1),
@@ -398,6 +442,7 @@ class _Box:
     lam: float | None = dataclasses.field(compare=False)
     b: int = dataclasses.field(compare=False, default=0)
     v_balance: float = dataclasses.field(compare=False, default=0.0)
+    lengths: tuple[int, int] | None = dataclasses.field(compare=False, default=None)  # its batch's
     fresh: bool = dataclasses.field(compare=False, default=True)  # bounded with this search's tables
 
 
@@ -444,21 +489,26 @@ def search(
         if not pending:
             return
         stats.lower_bound_s = pending[0][0]
-    batches: dict[int, _Batch | None] = {}
+    batches: dict[tuple, _Batch | None] = {}  # per micro-batch size and range of lengths
+    counted: set[int] = set()  # micro-batch sizes in stats.space_size
 
-    def build(b: int, v_balance: float, bracket: bool = False) -> _Batch | None:
-        if b not in batches:
+    def build(b: int, lengths: tuple[int, int] | None, v_balance: float, bracket: bool = False) -> _Batch | None:
+        if (b, lengths) not in batches:
             if time.perf_counter() > deadline:
                 raise OutOfTime
-            batches[b] = _make_batch(ctx, b, v_balance, bracket)
-            if batches[b] is not None:
-                stats.space_size += batches[b].lists
-        return batches[b]
+            batch = batches[b, lengths] = _make_batch(ctx, b, v_balance, bracket, lengths)
+            if batch is not None and lengths is None:
+                ranges = length_ranges(ctx, batch.m)
+                batch.ranges = None if ranges == [None] else ranges
+            if batch is not None and b not in counted:
+                counted.add(b)
+                stats.space_size += batch.lists
+        return batches[b, lengths]
 
     # incumbents: shallow dives at the smallest feasible bottleneck of the most promising
-    # micro-batch sizes and a few multiples of it
+    # micro-batch sizes and a few multiples of it (over every length: the best plan may have any)
     for _, v_bal, b in pending[:dives]:
-        batch = build(b, v_bal, bracket=True)
+        batch = build(b, None, v_bal, bracket=True)
         if batch is None or batch.lists <= RESOLVE_LISTS:  # a small space: its root is resolved
             continue
         enum = _Enumerator(ctx, batch, top, stats, solved, deadline)
@@ -477,7 +527,7 @@ def search(
             lb = float(batch.weight @ lo) + fill
             if lb < top.bound:
                 heapq.heappush(heap, _Box(lb, next(counter), batch, lo, _shrink(batch, lo, hi, top.bound - lb), lam,
-                                          batch.b))
+                                          batch.b, lengths=batch.lengths))
 
     def root(batch: _Batch) -> None:
         live = [t for t in batch.tables if t.size]
@@ -493,7 +543,7 @@ def search(
     for lb, v_bal, b in pending:
         heapq.heappush(heap, _Box(lb, next(counter), None, None, None, None, b, v_bal))
     while heap:
-        generation: dict[int, tuple[_Batch, list]] = {}  # per micro-batch size, boxes to bound
+        generation: dict[int, tuple[_Batch, list]] = {}  # per batch (its id), boxes to bound
         open_boxes: list[_Box] = []  # popped, not done with: being split or resolved
         try:
             while heap and len(generation) < GENERATION and sum(len(v[1]) for v in generation.values()) < 2 * GENERATION:
@@ -505,7 +555,7 @@ def search(
                 if time.perf_counter() > deadline:
                     raise OutOfTime
                 if box.batch is None:  # a micro-batch size whose turn has come, or a box of `start`
-                    batch = build(box.b, box.v_balance)
+                    batch = build(box.b, box.lengths, box.v_balance)
                     if box.lo is None or batch is None:
                         if batch is not None:
                             root(batch)
@@ -514,7 +564,15 @@ def search(
                     box = open_boxes[-1] = dataclasses.replace(box, batch=batch)
                 batch = box.batch
                 if not box.fresh:  # a box of `start`: bounded again, with this search's tables and its lambda, first
-                    generation.setdefault(batch.b, (batch, []))[1].append((box.lo, box.hi, box.lam, True))
+                    generation.setdefault(id(batch), (batch, []))[1].append((box.lo, box.hi, box.lam, True))
+                    continue
+                if batch.ranges and batch.lists > RESOLVE_LISTS:
+                    # a box over every length (its root): taken apart into its ranges of lengths,
+                    # each under the box's bound until its own tables are built and bounded
+                    for lengths in batch.ranges:
+                        heapq.heappush(heap, _Box(box.lb, next(counter), None, None, None, None, batch.b,
+                                                  batch.v_feasible, lengths))
+                    open_boxes.pop()
                     continue
                 gap = top.bound - box.lb  # the incumbent may have improved since the push
                 lo, hi = box.lo, _shrink(batch, box.lo, box.hi, gap)
@@ -529,7 +587,7 @@ def search(
                 mid = 0.5 * (lo[d] + hi[d])
                 upper_lo, lower_hi = lo.copy(), hi.copy()
                 upper_lo[d], lower_hi[d] = mid, mid
-                generation.setdefault(batch.b, (batch, []))[1].extend(
+                generation.setdefault(id(batch), (batch, []))[1].extend(
                     [(lo, lower_hi, box.lam, False), (upper_lo, hi, box.lam, False)]
                 )
             for batch, children in generation.values():

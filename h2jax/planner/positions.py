@@ -69,27 +69,57 @@ class TypeTable:
     # seconds (K, 4, S)
     steady_a: np.ndarray
     steady_end: np.ndarray
+    # (L+1,) bool: whether the table's lists may have p stages (the schedule runs p stages at
+    # this micro-batch size, and p is in the table's lengths; index 0 False): a list's front
+    # block ends only at such a p
+    ends: np.ndarray
 
     @property
     def size(self) -> int:
         return len(self.options)
 
 
-def type_tables(ctx, b: int) -> list[TypeTable]:
-    """Per chip type (pipeline order), its shapes' arrays at micro-batch b (positions: the
-    schedule's least in-flight activations at position j from the end, over every pipeline
-    length: 1F1B min(j, m), GPipe m; the deferred-W gradients of ZB-H1 left out, so the caps
-    are upper bounds). Each made once per type and chip count (`Context.per_type`)."""
+def type_tables(ctx, b: int, lengths: tuple[int, int] | None = None) -> list[TypeTable]:
+    """Per chip type (pipeline order), its shapes' arrays at micro-batch b, over the stage
+    lists of `lengths` (p_lo, p_hi) stages (None: every length; `position_holds`). Each made
+    once per type and chip count (`Context.per_type`)."""
     shapes = ctx.type_shapes(b, prune_unfit=True)
-    return [ctx.per_type("table", name, b, lambda: _type_table(ctx, b, opts)) for name, opts in zip(ctx.order, shapes)]
+    return [ctx.per_type(f"table{lengths}", name, b, lambda: _type_table(ctx, b, opts, lengths))
+            for name, opts in zip(ctx.order, shapes)]
 
 
-def _type_table(ctx, b: int, shapes) -> TypeTable:
+def position_holds(ctx, m: int, lengths: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What a stage at position j = 1..L from the end holds at least, over the pipelines of p
+    stages the schedule runs with p in `lengths` (p_lo, p_hi; None: every length): (in-flight
+    activations (L,), deferred-W gradients (L,), whether the schedule runs p stages (L+1,)).
+
+    Without lengths: the schedule's `position_in_flight` (1F1B min(j, m), GPipe m), no
+    deferred gradients. With them, the least of each over those p (ZB-H1's min(p, m) and
+    interleaved 1F1B's grow with p: the search splits its lists by length, `length_ranges`,
+    and each range's caps are then far tighter than the least over every length)."""
+    L, sched, v = ctx.model.n_layers, ctx.sched, ctx.v
+    ends = np.array([p > 0 and sched.unsupported(p, m, v) is None for p in range(L + 1)])
+    if lengths is None:
+        return np.array([sched.position_in_flight(j, m, v) for j in range(1, L + 1)]), np.zeros(L), ends
+    lo, hi = lengths
+    ends[:lo] = False
+    ends[hi + 1:] = False
+    in_flight, deferred = np.full(L, np.inf), np.full(L, np.inf)
+    for p in np.flatnonzero(ends).tolist():
+        for j in range(1, p + 1):
+            in_flight[j - 1] = min(in_flight[j - 1], sched.memory_in_flight(p - j, p, m, v))
+            deferred[j - 1] = min(deferred[j - 1], sched.deferred(p - j, p, m, v))
+    unreached = ~np.isfinite(in_flight)  # beyond the longest p: no stage (memcap 0, below)
+    in_flight[unreached], deferred[unreached] = 1.0, 0.0
+    return in_flight, deferred, ends
+
+
+def _type_table(ctx, b: int, shapes, lengths: tuple[int, int] | None = None) -> TypeTable:
     """One chip type's table (`type_tables`) of its shapes at micro-batch b."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     sched, v = ctx.sched, ctx.v
     form = sched.closed_form
-    in_flight = np.array([sched.position_in_flight(j, m, v) for j in range(1, L + 1)])
+    in_flight, deferred, ends = position_holds(ctx, m, lengths)
     K = len(form.steady)
     scale = form.fill_scale(v)
     # by most stages: shapes of one k_max are then one slice for the DP's window minima
@@ -103,9 +133,9 @@ def _type_table(ctx, b: int, shapes) -> TypeTable:
         chip = ctx.chips[o.chip]
         for role, (first, last) in enumerate(ROLE_FLAGS):
             t = ctx.terms(b, o, first, last, 1)
-            ends = np.array([t.fwd_end, t.bwd_end, t.bwd_weight_end])
-            end_time[role, i] = scale * np.dot(form.fill_last if last else form.fill, ends)
-            steady_end[:, role, i] = [np.dot(k, ends) for k in form.steady]
+            end_s = np.array([t.fwd_end, t.bwd_end, t.bwd_weight_end])
+            end_time[role, i] = scale * np.dot(form.fill_last if last else form.fill, end_s)
+            steady_end[:, role, i] = [np.dot(k, end_s) for k in form.steady]
             end_tail[role, i] = t.tail_end
             mems.append(t.mem)
             if role == MID:
@@ -117,18 +147,18 @@ def _type_table(ctx, b: int, shapes) -> TypeTable:
         fast, slow = send_rates(cm.calibrated(chip, ctx.profile), o.data * o.tensor)
         nb[i], rho[i], own[i] = nbytes, slow, nbytes * fast
         kmax[i] = min(o.stages, L)
-    # the fit test's caps at each position's in-flight count (no deferred-W gradients)
+    # the fit test's caps at each position's least in-flight and deferred counts
     memcap = np.zeros((4, S, L), dtype=cap_dtype(L))
     if mems:
-        caps = StageMemoryTerms.stacked(mems).max_layers(in_flight[None, :], deferred=0)
+        caps = StageMemoryTerms.stacked(mems).max_layers(in_flight[None, :], deferred=deferred[None, :])
         memcap = np.ascontiguousarray(clip_caps(caps, L).reshape(S, 4, L).transpose(1, 0, 2))
-    # positions no pipeline the schedule runs reaches hold no stage (interleaved 1F1B: p must
-    # divide m, so p <= m): every bound and walk then leaves out the lists it would refuse
-    p_max = max((p for p in range(1, L + 1) if sched.unsupported(p, m, v) is None), default=0)
-    memcap[..., p_max:] = 0
+    # a list's front block ends only at a pipeline length the schedule runs (`ends`; interleaved
+    # 1F1B: p divides m, so p <= m) and positions beyond the longest hold no stage: the bounds
+    # and walks then leave out the lists the leaves would refuse
+    memcap[..., int(np.flatnonzero(ends)[-1]) if ends.any() else 0:] = 0
     return TypeTable(
         list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
-        steady_a, steady_end,
+        steady_a, steady_end, ends,
     )
 
 
@@ -196,7 +226,7 @@ def _subset(t: TypeTable, keep: np.ndarray) -> TypeTable:
     return TypeTable(
         [t.options[i] for i in keep], t.a[keep], t.tail_layer[keep], t.own_send[keep], t.send_bytes[keep],
         t.link_s_per_byte[keep], t.k_max[keep], t.end_time[:, keep], t.end_tail[:, keep], t.memcap[:, keep],
-        t.steady_a[:, keep], t.steady_end[:, :, keep],
+        t.steady_a[:, keep], t.steady_end[:, :, keep], t.ends,
     )
 
 
@@ -369,7 +399,9 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
     ans = np.full(R, np.inf)
     # per type, the block's own terms where its positions hold a middle stage (else inf): as
     # the front block (first stage at q' + 1) and as a block with more in front of it
-    as_front = {t: np.where(ws[t].mid_ok[..., 1:L], ws[t].Wm[..., 1:L] + ws[t].first[..., 2:], np.inf) for t in live}
+    # (a front block ends the list: only at a length p the schedule runs, `TypeTable.ends`)
+    as_front = {t: np.where(ws[t].mid_ok[..., 1:L] & tables[t].ends[2:], ws[t].Wm[..., 1:L] + ws[t].first[..., 2:], np.inf)
+                for t in live}
     as_block = {t: np.where(ws[t].mid_ok[..., 1:], ws[t].Wm[..., 1:], np.inf) for t in live}
     front: dict[int, np.ndarray] = {}  # per type, (R, L-1): its cheapest front block in front of q = 1..L-1
     F: dict[int, np.ndarray | None] = {0: None}  # the empty back part: the block is the last
@@ -383,7 +415,8 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
             if level == 0:  # the block is the last: H is finite at q = 0 only, M its value up to k_max
                 M = np.where(np.arange(L) < table.k_max[:, None], (w.last1 - w.Wm[..., 1])[..., None], np.inf)[None]
                 ans = np.minimum(ans, (as_front[t] + M[..., 1:]).min(axis=(0, 2, 3), initial=np.inf))
-                ans = np.minimum(ans, w.only1.min(axis=1))
+                if table.ends[1]:
+                    ans = np.minimum(ans, w.only1.min(axis=1))
             else:
                 Fs = np.stack([F[S] for S in masks])[..., 1:L]  # (n, R, L-1): q = 1..L-1 stages behind
                 if t not in front:
@@ -429,7 +462,7 @@ def _front_step(table: TypeTable, w: Weights, g: np.ndarray, L: int) -> np.ndarr
     # X[j]: blocks ending at position j with more types in front; Y[j]: the block is the front
     X = np.where(mid_ok, Wm + g[:, :, None, : L + 1], np.inf)
     Y = np.full(Wm.shape, np.inf)
-    Y[..., 1:] = np.where(mid_ok[..., :L], Wm[..., :L] + first[..., 1:], np.inf)
+    Y[..., 1:] = np.where(mid_ok[..., :L] & table.ends[1:], Wm[..., :L] + first[..., 1:], np.inf)  # p = j
     Z = np.minimum(X, Y)
     # the block ends at a position in q+1 .. q+k_max: a window ending at index L-q-1 of Z
     # reversed (positions L .. 0)
