@@ -259,7 +259,7 @@ def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool,
     return _Batch(b, m, tables, lengths, lo if K == 1 else 0.0, hi, grid, t_max, steady_max, weight)
 
 
-LENGTH_RATIO = 1.5  # a range of stage counts p_lo..p_hi (`length_ranges`) spans at most this ratio
+LENGTH_RATIO = 1.25  # a range of stage counts p_lo..p_hi (`length_ranges`) spans at most this ratio
 
 
 def length_ranges(ctx: Context, m: int) -> list[tuple[int, int] | None]:
