@@ -6,11 +6,13 @@ time limit (else `lower_bound_s` is a valid lower bound on the optimum and
 `within_of_optimum` = time / bound - 1). Each shipped cluster is searched `--repeat` times
 (min and median wall time: the search is deterministic, the spread is the machine's).
 `shipped_clusters_auto`: the same clusters under `--schedule auto` (every schedule, the
-time limit shared). Two shapes per chip type: the shipped clusters' plans with the local search after the exact
+time limit shared); `shipped_clusters_by_schedule`: ZB-H1 and interleaved 1F1B (v = 2, 4)
+each alone. Two shapes per chip type: the shipped clusters' plans with the local search after the exact
 one (how much faster than the proved one-shape optimum), the local search and the exact
 two-shape search against the exhaustive two-shape enumeration on `--two-shape-cases` random
 tiny clusters, and the exact two-shape search on the 64- and 768-chip clusters (within
-`--proof-time-limit`), in one process and then with `--proof-workers` processes.
+`--proof-time-limit`), in one process and then with `--proof-workers` processes, and on the
+64-chip cluster under `--schedule auto` (every schedule proved, one process).
 `--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
 each: how many are proved optimal, the total and slowest time, how many take over 1 s).
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 from h2jax.cli.plan import usable_cpus
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, known_chips, load_chip, load_cluster
 from h2jax.planner import PlannerError, top_k
+from h2jax.planner.space import schedule_label
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTERS = ["cluster-64.toml", "cluster-768.toml", "cluster-1024.toml", "cluster-2432.toml"]
@@ -84,6 +87,32 @@ def shipped_gpipe(time_limit: float) -> dict:
             "bound_rows": stats.bound_rows,
             "stage_lists_solved": stats.configs_visited,
         }
+    return out
+
+
+def shipped_by_schedule(time_limit: float) -> dict:
+    """ZB-H1 and interleaved 1F1B (v = 2, 4) each searched alone on the shipped clusters, one
+    shape per type, one run each: proved or not, the time, the plan's step time."""
+    out = {}
+    for name in CLUSTERS:
+        cluster = load_cluster(REPO / "plans" / name)
+        row = {}
+        for schedule, v in (("zb-h1", None), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)):
+            t0 = time.perf_counter()
+            try:
+                (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, schedule=schedule,
+                                       virtual_stages=v, time_limit_s=time_limit)
+            except PlannerError as e:
+                row[schedule_label(schedule, v or 1)] = {"plan": None, "why": str(e).split(";")[0]}
+                continue
+            row[best.label] = {
+                "search_time_s": round(time.perf_counter() - t0, 3),
+                "proved_optimal": stats.proved_optimal,
+                "step_time_s": round(best.time_s, 4),
+                "lower_bound_s": round(stats.lower_bound_s, 4),
+                "bound_rows": stats.bound_rows,
+            }
+        out[cluster.name] = row
     return out
 
 
@@ -265,6 +294,20 @@ def shipped_two_shape_proof(time_limit: float, workers: int) -> dict:
     return out
 
 
+def shipped_two_shape_proof_auto(time_limit: float) -> dict:
+    """The exact two-shape search under `--schedule auto` on the 64-chip cluster, one process,
+    one run: every schedule searched, then proved, each against the best before it."""
+    cluster = load_cluster(REPO / "plans" / CLUSTERS[0])
+    t0 = time.perf_counter()
+    (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, schedule="auto",
+                           time_limit_s=time_limit, prove_two_shapes=True)
+    return {cluster.name: {
+        "search_time_s": round(time.perf_counter() - t0, 2), "proved": stats.two_shapes_proved,
+        "nodes": stats.two_shape_nodes, "schedule": best.label, "step_time_s": round(best.time_s, 4),
+        "lower_bound_s": round(stats.two_shape_lower_bound_s, 4),
+    }}
+
+
 def random_shipped(cases: int, seed: int, time_limit: float) -> dict:
     """The search on random clusters of 2-4 shipped accelerator types (backends/ less the
     host CPU and emulated ones; 16-256 chips each, in multiples of 8), llama-7b, 70b or 100b,
@@ -307,7 +350,8 @@ def main() -> None:
     parser.add_argument("--proof-workers", type=int, default=usable_cpus(),
                         help="processes for the exact two-shape search's second run (default: the usable CPUs; 1: none)")
     parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
-                        help="also search the shipped clusters under --schedule auto (within --time-limit each)")
+                        help="also search the shipped clusters under --schedule auto, and each of ZB-H1 and "
+                             "interleaved 1F1B (v = 2, 4) alone (within --time-limit each)")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")
     args = parser.parse_args()
@@ -317,10 +361,13 @@ def main() -> None:
         "shipped_clusters": shipped(args.time_limit, args.repeat),
         "shipped_clusters_gpipe": shipped_gpipe(args.time_limit),
         **({"shipped_clusters_auto": shipped_auto(args.time_limit)} if args.auto else {}),
+        **({"shipped_clusters_by_schedule": shipped_by_schedule(args.time_limit)} if args.auto else {}),
         "small_clusters": fast_vs_exhaustive(args.cases, seed=0),
         "shipped_clusters_two_shapes": shipped_two_shapes(args.time_limit),
         "small_clusters_two_shapes": two_shapes_vs_exhaustive(args.two_shape_cases, seed=1),
         **({"shipped_two_shape_proof": shipped_two_shape_proof(args.proof_time_limit, args.proof_workers)} if args.proof_time_limit else {}),
+        **({"shipped_two_shape_proof_auto": shipped_two_shape_proof_auto(args.proof_time_limit)}
+           if args.proof_time_limit else {}),
         **({"random_shipped": random_shipped(args.random_shipped, 1, args.time_limit)} if args.random_shipped else {}),
     }))
 
