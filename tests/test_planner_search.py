@@ -394,3 +394,30 @@ def test_a_boxs_lambda_follows_the_dual_past_the_wider_steps(monkeypatch):
     calls.clear()
     (value, lam), = ds._bounds(batch, 8, corner, [1.0], enough=[-0.5])
     assert calls == [1]  # the center already drops the box
+
+
+def test_under_auto_the_first_proof_gets_the_time_left_less_a_reserve_per_later_proof(monkeypatch):
+    """`_prove_all`'s deadlines (a clock injected): the fastest plan's proof, which proves that
+    plan's own optimum and is the longest, may run until the time limit's end less
+    PROOF_RESERVE of the proofs' time for each proof after it; each later one until the end
+    less the reserves of those after it (so a slow proof leaves the later ones their time)."""
+    from h2jax.planner import search as S
+
+    clock = [100.0]
+    monkeypatch.setattr(S.time, "perf_counter", lambda: clock[0])
+    deadlines = []
+
+    def fake_prove(one, k, deadline, workers, progress, cutoff=math.inf):
+        deadlines.append(deadline)
+        clock[0] += 10.0  # each proof takes 10 s of the clock
+
+    monkeypatch.setattr(S, "_prove", fake_prove)
+    ctx = make_context(Cluster((ChipGroup(ChipType("a", "cpu", 0.05, 1.0, 2, 50.0, 2.0, "t"), 2),)), "tiny", 32, 2)
+    cand = lambda t: S.Candidate(t, 1, (), (), "1f1b")  # noqa: E731
+    searched = [S._Searched([cand(t)], [], S.SearchStats(), ctx, [1], math.inf) for t in (3.0, 1.0, 2.0)]
+    S._prove_all(searched, 1, 100.0 + 200.0, 1, None)
+    reserve = S.PROOF_RESERVE * 200.0
+    assert deadlines == pytest.approx([300.0 - 2 * reserve, 300.0 - reserve, 300.0])
+    deadlines.clear()
+    S._prove_all(searched, 1, None, 1, None)  # no time limit: none
+    assert deadlines == [math.inf] * 3

@@ -293,7 +293,8 @@ def top_k(
     stats = SearchStats(lower_bound_s=math.inf)
     errors: list[PlannerError] = []
     # One limit for the whole search: each schedule gets an equal share of the time left, so a
-    # slow one cannot starve those after it (the proofs, after every search, share what is left).
+    # slow one cannot starve those after it (the proofs, after every search, take what is left:
+    # `_prove_all`).
     end = None if time_limit_s is None else time.perf_counter() + time_limit_s
 
     def share(done: int, of: int) -> float | None:
@@ -320,7 +321,7 @@ def top_k(
             for cand in one.one_shape:
                 best_so_far.push(cand)
     if prove_two_shapes and not exhaustive:
-        _prove_all(searched, k, share, proof_workers, proof_progress)
+        _prove_all(searched, k, end, proof_workers, proof_progress)
     found: list[Candidate] = []
     for one in searched:
         st = one.stats
@@ -460,22 +461,28 @@ def _prove(one: _Searched, k: int, deadline: float, workers: int, progress, cuto
     one.stats.search_time_s += time.perf_counter() - t0
 
 
-def _prove_all(searched: list[_Searched], k: int, share: Callable[[int, int], float | None], workers: int,
-               progress) -> None:
+PROOF_RESERVE = 0.05  # under auto, each proof keeps this share of the proofs' time for each one after it
+
+
+def _prove_all(searched: list[_Searched], k: int, end: float | None, workers: int, progress) -> None:
     """The two-shape proofs of several schedules' searches (`--schedule auto`), the fastest
     plan's first: each proves only that no plan of its schedule beats the best found before it
     (`cutoff`), which is all the fastest plan's proof needs of it, and far less than its own
-    optimum. Each gets an equal share of the time left (`share`). After Ctrl-C stops one, the
-    rest are not proved: their two-shape optimum has no bound but 0."""
+    optimum. Each may run until `end` (the time limit's) less PROOF_RESERVE of the proofs' time
+    for each proof after it: the first, the longest (it proves the best plan's own optimum),
+    gets most of the time, and a slow one still leaves the later ones time to bound theirs.
+    After Ctrl-C stops one, the rest are not proved: their two-shape optimum has no bound but 0."""
     cutoff, interrupted = math.inf, None
     todo = sorted(searched, key=lambda one: one.found[0].time_s if one.found else math.inf)
+    total = None if end is None else end - time.perf_counter()
     for idx, one in enumerate(todo):
         if interrupted:
             st = one.stats
             st.two_shapes_proved, st.two_shape_lower_bound_s, st.two_shapes_stopped = False, 0.0, interrupted
             continue
-        left = share(idx, len(todo))
-        _prove(one, k, math.inf if left is None else time.perf_counter() + left, workers, progress, cutoff)
+        deadline = math.inf if end is None else max(
+            end - (len(todo) - idx - 1) * PROOF_RESERVE * total, time.perf_counter() + 1e-3)
+        _prove(one, k, deadline, workers, progress, cutoff)
         if one.found and one.sets_cutoff:
             cutoff = min(cutoff, one.found[0].time_s)
         if one.stats.proof_interrupted:
