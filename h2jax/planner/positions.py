@@ -84,8 +84,13 @@ def type_tables(ctx, b: int, lengths: tuple[int, int] | None = None) -> list[Typ
     lists of `lengths` (p_lo, p_hi) stages (None: every length; `position_holds`). Each made
     once per type and chip count (`Context.per_type`)."""
     shapes = ctx.type_shapes(b, prune_unfit=True)
-    return [ctx.per_type(f"table{lengths}", name, b, lambda: _type_table(ctx, b, opts, lengths))
-            for name, opts in zip(ctx.order, shapes)]
+    out = []
+    for name, opts in zip(ctx.order, shapes):
+        table, mem = ctx.per_type("table", name, b, lambda: _type_table(ctx, b, opts))
+        if lengths is not None:  # the same shapes and times, the range's memory caps and ends
+            table = ctx.per_type(f"table{lengths}", name, b, lambda: _over_lengths(ctx, b, table, mem, lengths))
+        out.append(table)
+    return out
 
 
 def position_holds(ctx, m: int, lengths: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,14 +119,13 @@ def position_holds(ctx, m: int, lengths: tuple[int, int] | None) -> tuple[np.nda
     return in_flight, deferred, ends
 
 
-def _type_table(ctx, b: int, shapes, lengths: tuple[int, int] | None = None) -> TypeTable:
-    """One chip type's table (`type_tables`) of its shapes at micro-batch b."""
-    L, m = ctx.model.n_layers, ctx.global_batch // b
-    sched, v = ctx.sched, ctx.v
-    form = sched.closed_form
-    in_flight, deferred, ends = position_holds(ctx, m, lengths)
+def _type_table(ctx, b: int, shapes) -> tuple[TypeTable, StageMemoryTerms | None]:
+    """One chip type's table (`type_tables`) of its shapes at micro-batch b, over every length,
+    and its shapes' memory terms stacked (per shape, per role: `_over_lengths` takes them)."""
+    L = ctx.model.n_layers
+    form = ctx.sched.closed_form
     K = len(form.steady)
-    scale = form.fill_scale(v)
+    scale = form.fill_scale(ctx.v)
     # by most stages: shapes of one k_max are then one slice for the DP's window minima
     shapes = sorted(shapes, key=lambda o: min(o.stages, L))
     S = len(shapes)
@@ -147,19 +151,41 @@ def _type_table(ctx, b: int, shapes, lengths: tuple[int, int] | None = None) -> 
         fast, slow = send_rates(cm.calibrated(chip, ctx.profile), o.data * o.tensor)
         nb[i], rho[i], own[i] = nbytes, slow, nbytes * fast
         kmax[i] = min(o.stages, L)
+    mem = StageMemoryTerms.stacked(mems) if mems else None
+    memcap, ends = _memory_caps(ctx, b, mem, S, None)
+    return TypeTable(
+        list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
+        steady_a, steady_end, ends,
+    ), mem
+
+
+def _over_lengths(ctx, b: int, table: TypeTable, mem: StageMemoryTerms | None,
+                  lengths: tuple[int, int]) -> TypeTable:
+    """A table over every length (`_type_table`'s, with its stacked memory terms) for the
+    lists of `lengths` stages: only its memory caps and ends differ."""
+    memcap, ends = _memory_caps(ctx, b, mem, table.size, lengths)
+    return dataclasses.replace(table, memcap=memcap, ends=ends)
+
+
+def _memory_caps(ctx, b: int, mem: StageMemoryTerms | None, S: int,
+                 lengths: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(memcap (4, S, L), ends) of a table's shapes (their memory terms stacked, per shape
+    per role; None: no shape) over the lists of `lengths` stages (`position_holds`)."""
+    L = ctx.model.n_layers
+    key = ("holds", b, lengths)  # (the same for every type)
+    if key not in ctx._caps:
+        ctx._caps[key] = position_holds(ctx, ctx.global_batch // b, lengths)
+    in_flight, deferred, ends = ctx._caps[key]
     # the fit test's caps at each position's least in-flight and deferred counts
     memcap = np.zeros((4, S, L), dtype=cap_dtype(L))
-    if mems:
-        caps = StageMemoryTerms.stacked(mems).max_layers(in_flight[None, :], deferred=deferred[None, :])
+    if mem is not None:
+        caps = mem.max_layers(in_flight[None, :], deferred=deferred[None, :])
         memcap = np.ascontiguousarray(clip_caps(caps, L).reshape(S, 4, L).transpose(1, 0, 2))
     # a list's front block ends only at a pipeline length the schedule runs (`ends`; interleaved
     # 1F1B: p divides m, so p <= m) and positions beyond the longest hold no stage: the bounds
     # and walks then leave out the lists the leaves would refuse
     memcap[..., int(np.flatnonzero(ends)[-1]) if ends.any() else 0:] = 0
-    return TypeTable(
-        list(shapes), a, tl, own, nb, rho, kmax.astype(np.int64), end_time, end_tail, memcap,
-        steady_a, steady_end, ends,
-    )
+    return memcap, ends
 
 
 def cap_dtype(L: int) -> type:
