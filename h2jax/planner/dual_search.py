@@ -245,7 +245,10 @@ def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool,
     hi = float(steady_max.max())
     lo = min(v_balance, hi)
     floor = lo if K == 1 else 0.0
-    batch = _Batch(b, m, tables, lengths, floor, math.nan, grid, t_max, steady_max, weight)
+    ranges = length_ranges(ctx, m) if lengths is None else [None]  # over every length: those its box is taken apart into
+    if ranges == [None]:  # (1F1B, GPipe, or a range's own batch: its boxes are split on thresholds)
+        ranges = None
+    batch = _Batch(b, m, tables, lengths, floor, math.nan, grid, t_max, steady_max, weight, ranges=ranges)
     if not bracket or batch.lists <= RESOLVE_LISTS:  # (a small space is resolved at once: no dives)
         return batch
     if not fits(np.array([hi]))[0]:
@@ -256,7 +259,7 @@ def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool,
         first = int(np.argmax(ok)) if ok.any() else len(probes)
         lo = float(probes[first - 1]) if first > 0 else lo
         hi = float(probes[first]) if first < len(probes) else hi
-    return _Batch(b, m, tables, lengths, lo if K == 1 else 0.0, hi, grid, t_max, steady_max, weight)
+    return _Batch(b, m, tables, lengths, lo if K == 1 else 0.0, hi, grid, t_max, steady_max, weight, ranges=ranges)
 
 
 LENGTH_RATIO = 1.25  # a range of stage counts p_lo..p_hi (`length_ranges`) spans at most this ratio
@@ -278,7 +281,7 @@ def length_ranges(ctx: Context, m: int) -> list[tuple[int, int] | None]:
     if same:
         return [None]
     out: list[tuple[int, int] | None] = []
-    for p in (p for p in range(1, L + 1) if sched.unsupported(p, m, v) is None):
+    for p in np.flatnonzero(pos.run_lengths(ctx, m)).tolist():
         if out and p <= out[-1][0] * LENGTH_RATIO:
             out[-1] = (out[-1][0], p)
         else:
@@ -497,9 +500,6 @@ def search(
             if time.perf_counter() > deadline:
                 raise OutOfTime
             batch = batches[b, lengths] = _make_batch(ctx, b, v_balance, bracket, lengths)
-            if batch is not None and lengths is None:
-                ranges = length_ranges(ctx, batch.m)
-                batch.ranges = None if ranges == [None] else ranges
             if batch is not None and b not in counted:
                 counted.add(b)
                 stats.space_size += batch.lists

@@ -93,6 +93,12 @@ def type_tables(ctx, b: int, lengths: tuple[int, int] | None = None) -> list[Typ
     return out
 
 
+def run_lengths(ctx, m: int) -> np.ndarray:
+    """(L+1,) bool: whether the schedule runs a pipeline of p stages at m micro-batches (index
+    0 False; interleaved 1F1B: p divides m)."""
+    return np.array([p > 0 and ctx.sched.unsupported(p, m, ctx.v) is None for p in range(ctx.model.n_layers + 1)])
+
+
 def position_holds(ctx, m: int, lengths: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What a stage at position j = 1..L from the end holds at least, over the pipelines of p
     stages the schedule runs with p in `lengths` (p_lo, p_hi; None: every length): (in-flight
@@ -103,7 +109,7 @@ def position_holds(ctx, m: int, lengths: tuple[int, int] | None) -> tuple[np.nda
     interleaved 1F1B's grow with p: the search splits its lists by length, `length_ranges`,
     and each range's caps are then far tighter than the least over every length)."""
     L, sched, v = ctx.model.n_layers, ctx.sched, ctx.v
-    ends = np.array([p > 0 and sched.unsupported(p, m, v) is None for p in range(L + 1)])
+    ends = run_lengths(ctx, m)
     if lengths is None:
         return np.array([sched.position_in_flight(j, m, v) for j in range(1, L + 1)]), np.zeros(L), ends
     lo, hi = lengths
