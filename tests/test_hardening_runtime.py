@@ -301,3 +301,18 @@ def test_a_rank_dies_with_the_launcher_process_that_started_it():
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail("the child outlived its killed parent by a minute")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_rank_that_leaves_first_does_not_take_the_slower_ranks_with_it(code):
+    """ranks.leave_process (how `h2jax` ends a rank): MPICH's launcher kills the ranks still
+    running when one closes its connection without the MPI library's exit hook (os._exit) --
+    here rank 0, still at work after rank 1 has left, lives on, and the job ends with the
+    status rank 0 leaves with."""
+    if not Path(MPIEXEC).exists():
+        pytest.skip("mpiexec not found (pip install mpich)")
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(SCRIPTS / "leave_unevenly.py"), str(code)],
+                          capture_output=True, text=True, timeout=240, env=checkout_env(dict(os.environ)))
+    assert "rank 0 outlived rank 1" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == code, proc.stdout + proc.stderr

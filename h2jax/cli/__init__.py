@@ -56,7 +56,7 @@ def run_and_exit(argv: list[str] | None = None) -> None:
     unwound by the interpreter and, through C++ frames, aborts the process ("FATAL: exception
     not rethrown", status -6) after the command's work is done. By this point every output is
     complete (checkpoints waited for, metrics closed); a stage's jax.distributed group and MPI
-    are shut down properly first."""
+    are shut down properly first (`h2jax.runtime.ranks.leave_process`)."""
     code = main(argv)
     if "h2jax.runtime.rank_records" in sys.modules:  # a rank of a launched job ends by itself
         sys.modules["h2jax.runtime.rank_records"].record_end(f"exit {code}")
@@ -72,9 +72,10 @@ def run_and_exit(argv: list[str] | None = None) -> None:
             import jax
 
             jax.distributed.shutdown()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
+    if "mpi4py.MPI" in sys.modules:  # MPI_Finalize, then the MPI library's exit hooks
+        from h2jax.runtime.ranks import leave_process
+
+        leave_process(code)
     os._exit(code)
 
 

@@ -150,6 +150,37 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+EXIT_HOOKS_TIMEOUT_S = 600.0
+
+
+def leave_process(code: int):
+    """End this process with exit status `code` without finalizing the interpreter (see
+    `h2jax.cli.run_and_exit`), and, for a rank of an MPI job, the way its launcher expects.
+
+    MPI_Finalize first (it waits for every rank). Then a rank leaves through the C library's
+    `exit()`, not `os._exit`: MPICH (4.1 and later) holds its process-manager finalize back to
+    a C exit hook, so that a process that dies after MPI_Finalize still shows as failed. A rank
+    that skips the hook closes its connection to the launcher's proxy unannounced, and MPICH's
+    hydra proxy then SIGKILLs every rank of the job still running on that host: a rank that
+    was descheduled between its MPI_Finalize and its exit ended with status 9 (seen under
+    load: a job whose every rank had finished its work failed). The hook waits until every
+    rank has reached it. `exit()` runs the C exit hooks and static destructors only, holding
+    the GIL (no Python thread runs meanwhile; Python's own finalization stays skipped); a
+    rank still in them after EXIT_HOOKS_TIMEOUT_S -- a peer that never finishes -- leaves
+    with `_exit(1)`, every thread's stack on standard error, and the launcher ends the job."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized():
+        os._exit(code)
+    if not mpi.Is_finalized():
+        mpi.Finalize()
+    import ctypes
+    import faulthandler
+
+    faulthandler.dump_traceback_later(EXIT_HOOKS_TIMEOUT_S, exit=True)
+    ctypes.PyDLL(None).exit(int(code))
+    os._exit(code)  # not reached: exit() does not return
+
+
 def _startup_timeout(given: float | None) -> float:
     """`given`, or H2JAX_MPI_STARTUP_TIMEOUT; checked before MPI starts, where every rank
     finds the same bad value: rank 0 says so, the others leave without a word."""
