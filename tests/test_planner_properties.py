@@ -62,10 +62,10 @@ MODEL = "tiny"
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
-def best(cluster, exhaustive=False, **kwargs):
+def best(cluster, exhaustive=False, model=MODEL, **kwargs):
     """(candidate, stats), or (None, message) when no plan fits."""
     try:
-        (cand,), stats = top_k(cluster, MODEL, exhaustive=exhaustive, **kwargs)
+        (cand,), stats = top_k(cluster, model, exhaustive=exhaustive, **kwargs)
     except PlannerError as e:
         return None, str(e)
     return cand, stats
@@ -158,3 +158,53 @@ def test_the_random_clusters_include_both_answers():
     for n_types, max_count in [(2, 8), (3, 4), (4, 2)]:
         find(clusters(n_types, max_count), lambda c: best(c, **args)[0] is None, settings=quick)
         find(clusters(n_types, max_count), lambda c: best(c, **args)[0] is not None, settings=quick)
+
+
+
+def random_cluster(rng, n_types, max_count):
+    """A cluster as `clusters` draws them, from a seeded random.Random."""
+    return Cluster(tuple(ChipGroup(ChipType(
+        name=f"chip{i}", platform="cpu", memory_gib=rng.choice([0.004, 0.008, 0.016, 0.05, 1.0]),
+        peak_tflops=rng.choice([0.1, 0.3, 1.0, 2.5]), chips_per_node=rng.choice([1, 2, 4]),
+        intra_node_gbps=rng.choice([5.0, 50.0]), inter_node_gbps=rng.choice([0.5, 2.0, 10.0]), source="random",
+        precision=Precision("float32", rng.choice(["float32", "bfloat16"]))), rng.randint(1, max_count))
+        for i in range(n_types)), name="random")
+
+
+@pytest.mark.slow
+def test_ranges_of_lengths_halved_down_to_one_length_stay_exact(monkeypatch):
+    """ZB-H1 and interleaved 1F1B (what a stage holds depends on the pipeline's length), the
+    8-layer model, 40 seeded random clusters of 2 types of up to 8 chips, every micro-batch
+    size searched in boxes (RESOLVE_LISTS 0) over one range of every length (LENGTH_RATIO 8),
+    so that a box about to be resolved is halved by length (`range_halves`) down to one
+    length: the optimum equals the exhaustive one, and the halving is reached often."""
+    import random
+
+    from h2jax.planner import dual_search as ds
+
+    halves = ds.range_halves
+    halved = []
+
+    def counted(ctx, batch):
+        out = halves(ctx, batch)
+        halved.append(bool(out))
+        return out
+
+    monkeypatch.setattr(ds, "range_halves", counted)
+    rng = random.Random(7)
+    for case in range(40):
+        cluster = random_cluster(rng, 2, 8)
+        kwargs = dict(seq_len=rng.choice([32, 128]), global_batch=rng.choice([2, 4, 6, 8]),
+                      schedule=rng.choice(["zb-h1", "interleaved-1f1b"]),
+                      recompute=rng.choice([("none",), ("full",), ("none", "selective", "full")]),
+                      micro_batches=rng.choice([(1,), (1, 2), None]))
+        with monkeypatch.context() as mp:
+            mp.setattr(ds, "RESOLVE_LISTS", 0)
+            mp.setattr(ds, "LENGTH_RATIO", 8.0)
+            fast, stats = best(cluster, model="small", **kwargs)
+        full, _ = best(cluster, model="small", exhaustive=True, **kwargs)
+        assert (fast is None) == (full is None), (case, cluster, kwargs)
+        if fast is not None:
+            assert stats.proved_optimal, (case, cluster, kwargs)
+            assert fast.time_s == pytest.approx(full.time_s, rel=1e-9), (case, cluster, kwargs)
+    assert sum(halved) >= 100, sum(halved)

@@ -289,6 +289,21 @@ def length_ranges(ctx: Context, m: int) -> list[tuple[int, int] | None]:
     return out
 
 
+def range_halves(ctx: Context, batch: _Batch) -> list[tuple[int, int]]:
+    """A range's two halves (its run lengths, the shorter half first), or [] where the batch
+    is no range or runs one length. A box about to be resolved is taken apart into them
+    instead: each half's tables hold at least the range's at every position (the least over
+    fewer lengths), so its bound is no lower and its enumeration refuses more lists early."""
+    if batch.lengths is None:
+        return []
+    lo, hi = batch.lengths
+    runs = [p for p in np.flatnonzero(pos.run_lengths(ctx, batch.m)).tolist() if lo <= p <= hi]
+    if len(runs) < 2:
+        return []
+    half = len(runs) // 2
+    return [(runs[0], runs[half - 1]), (runs[half], runs[-1])]
+
+
 def ordered_lists(blocks: Sequence[int]) -> int:
     """Stage lists made of at most one block per chip type, in any order, given each type's
     number of blocks: sum over sets S of types of |S|! * prod of their counts."""
@@ -580,7 +595,14 @@ def search(
                 if (widths.sum() <= RESOLVE_FRACTION * gap and gap <= RESOLVE_GAP * top.bound) or (
                     widths.sum() <= RESOLVE_WIDTH * top.bound
                 ) or batch.lists <= RESOLVE_LISTS:
-                    _Enumerator(ctx, batch, top, stats, solved, deadline).run(lo, hi, box.lam)
+                    halves = range_halves(ctx, batch) if batch.lists > RESOLVE_LISTS else []
+                    # a range of several lengths: its halves instead, each bounded again with
+                    # its own tables (no lower) before it is split or resolved
+                    for lengths in halves:
+                        heapq.heappush(heap, _Box(box.lb, next(counter), None, lo, hi, box.lam, batch.b,
+                                                  batch.v_feasible, lengths, fresh=False))
+                    if not halves:
+                        _Enumerator(ctx, batch, top, stats, solved, deadline).run(lo, hi, box.lam)
                     open_boxes.pop()
                     continue
                 d = int(np.argmax(widths))  # halve the costliest side
