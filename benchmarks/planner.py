@@ -11,8 +11,9 @@ each alone. Two shapes per chip type: the shipped clusters' plans with the local
 one (how much faster than the proved one-shape optimum), the local search and the exact
 two-shape search against the exhaustive two-shape enumeration on `--two-shape-cases` random
 tiny clusters, and the exact two-shape search on the 64- and 768-chip clusters (within
-`--proof-time-limit`), in one process and then with `--proof-workers` processes, and on the
-64-chip cluster under `--schedule auto` (every schedule proved, one process).
+`--proof-time-limit`), in one process and then with `--proof-workers` processes, on the
+64-chip cluster under `--schedule auto` (every schedule proved, one process), and of ZB-H1
+alone on the 64- and 768-chip clusters (one process).
 `--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
 each: how many are proved optimal, the total and slowest time, how many take over 1 s).
 """
@@ -308,6 +309,25 @@ def shipped_two_shape_proof_auto(time_limit: float) -> dict:
     }}
 
 
+def shipped_two_shape_proof_zb_h1(time_limit: float) -> dict:
+    """The exact two-shape search of ZB-H1 alone on the 64- and 768-chip clusters, one process,
+    one run each: the schedule whose tables depend on the pipeline's length (its boxes halved
+    by length before they are resolved, `dual_search.range_halves`)."""
+    out = {}
+    for name in CLUSTERS[:2]:
+        cluster = load_cluster(REPO / "plans" / name)
+        t0 = time.perf_counter()
+        (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, schedule="zb-h1",
+                               time_limit_s=time_limit, prove_two_shapes=True, proof_workers=1)
+        out[cluster.name] = {
+            "search_time_s": round(time.perf_counter() - t0, 2), "proved": stats.two_shapes_proved,
+            "nodes": stats.two_shape_nodes, "step_time_s": round(best.time_s, 4),
+            "one_shape_step_time_s": round(stats.one_shape_time_s, 4),
+            "lower_bound_s": round(stats.two_shape_lower_bound_s, 4),
+        }
+    return out
+
+
 def random_shipped(cases: int, seed: int, time_limit: float) -> dict:
     """The search on random clusters of 2-4 shipped accelerator types (backends/ less the
     host CPU and emulated ones; 16-256 chips each, in multiples of 8), llama-7b, 70b or 100b,
@@ -367,6 +387,8 @@ def main() -> None:
         "small_clusters_two_shapes": two_shapes_vs_exhaustive(args.two_shape_cases, seed=1),
         **({"shipped_two_shape_proof": shipped_two_shape_proof(args.proof_time_limit, args.proof_workers)} if args.proof_time_limit else {}),
         **({"shipped_two_shape_proof_auto": shipped_two_shape_proof_auto(args.proof_time_limit)}
+           if args.proof_time_limit else {}),
+        **({"shipped_two_shape_proof_zb_h1": shipped_two_shape_proof_zb_h1(args.proof_time_limit)}
            if args.proof_time_limit else {}),
         **({"random_shipped": random_shipped(args.random_shipped, 1, args.time_limit)} if args.random_shipped else {}),
     }))
