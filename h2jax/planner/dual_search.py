@@ -290,8 +290,8 @@ def length_ranges(ctx: Context, m: int) -> list[tuple[int, int] | None]:
 
 
 def range_halves(ctx: Context, batch: _Batch) -> list[tuple[int, int]]:
-    """A range's two halves (its run lengths, the shorter half first), or [] where the batch
-    is no range or runs one length. A box about to be resolved is taken apart into them
+    """A range's two halves (its run lengths split in two, the shorter ones first), or []
+    where the batch is no range or runs one length. A box about to be resolved is taken apart into them
     instead: each half's tables hold at least the range's at every position (the least over
     fewer lengths), so its bound is no lower and its enumeration refuses more lists early."""
     if batch.lengths is None:

@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from h2jax.config import ConfigError
 from h2jax.plan import Plan, PlanError
@@ -153,17 +153,17 @@ def die_with_parent() -> None:
 EXIT_HOOKS_TIMEOUT_S = 600.0
 
 
-def leave_process(code: int):
+def leave_process(code: int) -> NoReturn:
     """End this process with exit status `code` without finalizing the interpreter (see
     `h2jax.cli.run_and_exit`), and, for a rank of an MPI job, the way its launcher expects.
 
     MPI_Finalize first (it waits for every rank). Then a rank leaves through the C library's
-    `exit()`, not `os._exit`: MPICH (4.1 and later) holds its process-manager finalize back to
-    a C exit hook, so that a process that dies after MPI_Finalize still shows as failed. A rank
-    that skips the hook closes its connection to the launcher's proxy unannounced, and MPICH's
-    hydra proxy then SIGKILLs every rank of the job still running on that host: a rank that
-    was descheduled between its MPI_Finalize and its exit ended with status 9 (seen under
-    load: a job whose every rank had finished its work failed). The hook waits until every
+    `exit()`, not `os._exit`: MPICH (the `mpich` wheel's 5.0) holds its process-manager
+    finalize back to a C exit hook, so that a process that dies after MPI_Finalize still
+    shows as failed. A rank that skips the hook closes its connection to the launcher's proxy
+    unannounced, and MPICH's hydra proxy then SIGKILLs every rank of the job still running on
+    that host: a rank that was descheduled between its MPI_Finalize and its exit ended with
+    status 9 (seen under load: a job whose every rank had finished its work failed). The hook waits until every
     rank has reached it. `exit()` runs the C exit hooks and static destructors only, holding
     the GIL (no Python thread runs meanwhile; Python's own finalization stays skipped); a
     rank still in them after EXIT_HOOKS_TIMEOUT_S -- a peer that never finishes -- leaves
