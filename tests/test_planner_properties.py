@@ -160,7 +160,6 @@ def test_the_random_clusters_include_both_answers():
         find(clusters(n_types, max_count), lambda c: best(c, **args)[0] is not None, settings=quick)
 
 
-
 def random_cluster(rng, n_types, max_count):
     """A cluster as `clusters` draws them, from a seeded random.Random."""
     return Cluster(tuple(ChipGroup(ChipType(
