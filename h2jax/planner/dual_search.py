@@ -289,15 +289,15 @@ def length_ranges(ctx: Context, m: int) -> list[tuple[int, int] | None]:
     return out
 
 
-def range_halves(ctx: Context, batch: _Batch) -> list[tuple[int, int]]:
+def range_halves(batch: _Batch) -> list[tuple[int, int]]:
     """A range's two halves (its run lengths split in two, the shorter ones first), or []
-    where the batch is no range or runs one length. A box about to be resolved is taken apart into them
-    instead: each half's tables hold at least the range's at every position (the least over
-    fewer lengths), so its bound is no lower and its enumeration refuses more lists early."""
+    where the batch is no range or runs one length. A box about to be resolved is taken apart
+    into them instead: each half's tables hold at least the range's at every position (the
+    least over fewer lengths), so its bound is no lower and its enumeration refuses more lists
+    early."""
     if batch.lengths is None:
         return []
-    lo, hi = batch.lengths
-    runs = [p for p in np.flatnonzero(pos.run_lengths(ctx, batch.m)).tolist() if lo <= p <= hi]
+    runs = np.flatnonzero(batch.tables[0].ends).tolist()  # the range's run lengths (`position_holds`)
     if len(runs) < 2:
         return []
     half = len(runs) // 2
@@ -595,7 +595,7 @@ def search(
                 if (widths.sum() <= RESOLVE_FRACTION * gap and gap <= RESOLVE_GAP * top.bound) or (
                     widths.sum() <= RESOLVE_WIDTH * top.bound
                 ) or batch.lists <= RESOLVE_LISTS:
-                    halves = range_halves(ctx, batch) if batch.lists > RESOLVE_LISTS else []
+                    halves = range_halves(batch) if batch.lists > RESOLVE_LISTS else []
                     # a range of several lengths: its halves instead, each bounded again with
                     # its own tables (no lower) before it is split or resolved
                     for lengths in halves:
