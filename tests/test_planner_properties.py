@@ -26,22 +26,33 @@ SCHEDULES = ["1f1b", "gpipe"]
 TIGHT = 0.1  # a memory scale under which about half of the clusters cannot hold the model
 
 
+# the values a random chip type's figures are drawn from (`clusters`, `random_cluster`)
+CHIP_VALUES = {
+    "memory_gib": [0.004, 0.008, 0.016, 0.05, 1.0],
+    "peak_tflops": [0.1, 0.3, 1.0, 2.5],
+    "chips_per_node": [1, 2, 4],
+    "intra_node_gbps": [5.0, 50.0],
+    "inter_node_gbps": [0.5, 2.0, 10.0],
+    "compute": ["float32", "bfloat16"],
+}
+
+
+def chip_type(i: int, source: str, memory_scale: float = 1.0, **fig) -> ChipType:
+    """Chip type i of a random cluster, from one value per CHIP_VALUES key."""
+    return ChipType(
+        name=f"chip{i}", platform="cpu", memory_gib=memory_scale * fig["memory_gib"],
+        peak_tflops=fig["peak_tflops"], chips_per_node=fig["chips_per_node"],
+        intra_node_gbps=fig["intra_node_gbps"], inter_node_gbps=fig["inter_node_gbps"], source=source,
+        precision=Precision("float32", fig["compute"]),
+    )
+
+
 @st.composite
 def clusters(draw, n_types, max_count):
     scale = draw(st.sampled_from([TIGHT, 1.0]))
     groups = []
     for i in range(n_types):
-        chip = ChipType(
-            name=f"chip{i}",
-            platform="cpu",
-            memory_gib=scale * draw(st.sampled_from([0.004, 0.008, 0.016, 0.05, 1.0])),
-            peak_tflops=draw(st.sampled_from([0.1, 0.3, 1.0, 2.5])),
-            chips_per_node=draw(st.sampled_from([1, 2, 4])),
-            intra_node_gbps=draw(st.sampled_from([5.0, 50.0])),
-            inter_node_gbps=draw(st.sampled_from([0.5, 2.0, 10.0])),
-            source="hypothesis",
-            precision=Precision("float32", draw(st.sampled_from(["float32", "bfloat16"]))),
-        )
+        chip = chip_type(i, "hypothesis", scale, **{k: draw(st.sampled_from(v)) for k, v in CHIP_VALUES.items()})
         groups.append(ChipGroup(chip, draw(st.integers(1, max_count))))
     return Cluster(tuple(groups), name="random")
 
@@ -161,12 +172,10 @@ def test_the_random_clusters_include_both_answers():
 
 
 def random_cluster(rng, n_types, max_count):
-    """A cluster as `clusters` draws them, from a seeded random.Random."""
-    return Cluster(tuple(ChipGroup(ChipType(
-        name=f"chip{i}", platform="cpu", memory_gib=rng.choice([0.004, 0.008, 0.016, 0.05, 1.0]),
-        peak_tflops=rng.choice([0.1, 0.3, 1.0, 2.5]), chips_per_node=rng.choice([1, 2, 4]),
-        intra_node_gbps=rng.choice([5.0, 50.0]), inter_node_gbps=rng.choice([0.5, 2.0, 10.0]), source="random",
-        precision=Precision("float32", rng.choice(["float32", "bfloat16"]))), rng.randint(1, max_count))
+    """A cluster of CHIP_VALUES' figures (memory unscaled), from a seeded random.Random."""
+    return Cluster(tuple(
+        ChipGroup(chip_type(i, "random", **{k: rng.choice(v) for k, v in CHIP_VALUES.items()}),
+                  rng.randint(1, max_count))
         for i in range(n_types)), name="random")
 
 
@@ -184,8 +193,8 @@ def test_ranges_of_lengths_halved_down_to_one_length_stay_exact(monkeypatch):
     halves = ds.range_halves
     halved = []
 
-    def counted(ctx, batch):
-        out = halves(ctx, batch)
+    def counted(batch):
+        out = halves(batch)
         halved.append(bool(out))
         return out
 
