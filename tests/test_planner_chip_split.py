@@ -64,7 +64,7 @@ APART = Cluster((ChipGroup(chip("chip0", 0.004, 0.1, 4, 10.0, 50.0), 6), ChipGro
 
 def test_a_types_two_blocks_may_sit_apart():
     """A case whose two-shape optimum runs chip1 at both ends of the pipeline, chip0 between:
-    the proof finds it (the local search, which climbs one move at a time, does not reach it)."""
+    the proof finds it (the local search too, by moving some of chip1's stages: test_planner_mixed_shapes)."""
     kw = dict(schedule="gpipe")
     (proved,), stats = top_k(APART, "tiny", 32, 2, prove_two_shapes=True, **kw)
     (full,), _ = top_k(APART, "tiny", 32, 2, mixed_shapes=True, exhaustive=True, **kw)
@@ -72,7 +72,7 @@ def test_a_types_two_blocks_may_sit_apart():
     assert math.isclose(proved.time_s, full.time_s, rel_tol=1e-9)
     chips = [o.chip for o in proved.options]
     assert chips[0] == chips[-1] != chips[1], layout(proved)  # one type at both ends
-    assert local.time_s > proved.time_s * (1 + 1e-6)
+    assert math.isclose(local.time_s, proved.time_s, rel_tol=1e-9)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -234,8 +234,8 @@ def test_a_search_started_from_the_boxes_another_left_finds_the_same_optimum(h10
 
 
 # (chip groups, seq, batch, schedule): seeded random clusters whose proof takes three nodes
-# (the root's halves run at once) and beats the local search's plan, found in the root's
-# second half
+# (the root's halves run at once) and, but the last, beats the local search's plan, found in
+# the root's second half (the local search reaches the last one's optimum)
 MULTI_NODE = [
     ([(("chip0", 0.004, 2.5, 4, 0.5, 5.0, "bfloat16"), 3)], 128, 4, "gpipe"),
     ([(("chip0", 0.004, 0.3, 2, 10.0, 50.0, "float32"), 3)], 128, 2, "gpipe"),
@@ -253,7 +253,7 @@ def test_nodes_searched_by_worker_processes_reach_the_same_proved_optimum(monkey
     """Two worker processes from the first node on (POOL_AFTER_S 0): on clusters whose proof
     takes several nodes and beats the local search's plan, the proof reaches the optimum the
     proof in one process reaches, proved."""
-    for groups, seq, batch, schedule in MULTI_NODE:
+    for groups, seq, batch, schedule in MULTI_NODE[:-1]:
         cluster = Cluster(tuple(ChipGroup(chip(*args), count) for args, count in groups))
         kw = dict(schedule=schedule, recompute=("none", "full"))
         (alone,), one = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)

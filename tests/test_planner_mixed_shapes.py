@@ -14,6 +14,7 @@ from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_cluster
 from h2jax.planner import plan_cluster
 from h2jax.planner.cost_model import CostOptions
 from h2jax.planner.mixed_shapes import in_space, merged, moves, refine
+from h2jax.planner import search
 from h2jax.planner.search import exhaustive_size, top_k
 from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
 
@@ -160,6 +161,55 @@ def test_a_move_puts_one_block_anywhere_else_in_the_pipeline():
             assert j == i or rest[:j] + (block,) + rest[j:] in found
     assert start not in found
     assert (b, a, a2) in found and (a, a2, b) in found and (a2, a, b) in found
+
+
+def test_a_move_puts_some_of_a_blocks_stages_elsewhere_on_its_shape():
+    """Every list with k of a block's stages (on its shape) taken out and put in another place
+    of the pipeline, not beside the kept ones, is a move; not where the type has two blocks."""
+    ctx = make_context(load_cluster(C64), "llama-100b", 4096, 2048)
+    a, b = (sorted((o for o in opts if o.stages == 3), key=lambda o: o.chips)[0]
+            for opts in ctx.type_options(32, prune_unfit=True))
+    found = set(moves((a, b), {}, ctx.counts, ctx.model.n_layers))
+    a1, a2 = (dataclasses.replace(a, stages=k) for k in (1, 2))
+    b1, b2 = (dataclasses.replace(b, stages=k) for k in (1, 2))
+    assert {(a2, b, a1), (a1, b, a2), (b1, a, b2), (b2, a, b1)} <= found
+    assert (a1, a2, b) not in found and (a2, a1, b) not in found  # beside the kept stages: no change
+    c = next(o for o in ctx.type_options(32, prune_unfit=True)[0] if o.stages == 1 and o.shape != a.shape)
+    after = [merged(x) for x in moves((a, b, c), {}, ctx.counts, ctx.model.n_layers)]
+    assert all(sum(o.chip == a.chip for o in x) <= 2 for x in after)  # no third block of a's type
+    assert {(b1, a, b2, c), (a, b2, c, b1)} <= set(after)  # (b's type has one block: its stages may move)
+
+
+# Seeded random tiny clusters (benchmarks/planner.py's) whose two-shape optima the local search
+# reaches only by the move above (chip0's block split around chip1's), and only by climbing
+# from a start at another micro-batch size against its own time (mixed_shapes.refine)
+APART = (Cluster((ChipGroup(chip("chip0", 0.004, 0.1, per_node=4, inter=10.0, intra=5.0), 8),
+                  ChipGroup(chip("chip1", 0.008, 0.1, per_node=4, inter=0.5, intra=50.0), 7))), 32, 2, "gpipe")
+OTHER_MICRO_BATCH = (Cluster((ChipGroup(chip("chip0", 0.008, 0.3, per_node=4, inter=0.5, intra=50.0), 7),
+                              ChipGroup(chip("chip1", 0.004, 1.0, per_node=2, inter=2.0, intra=50.0), 7))),
+                     128, 4, "gpipe")
+
+
+def test_the_local_search_splits_a_block_around_another_type():
+    cluster, seq, batch, schedule = APART
+    (two,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+    (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
+    (one,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule)
+    assert full.time_s < one.time_s * (1 - 1e-5)
+    assert math.isclose(two.time_s, full.time_s, rel_tol=1e-9), (layout(two), layout(full))
+    first, middle, last = two.options
+    assert first.chip == last.chip != middle.chip and first.shape == last.shape, layout(two)
+
+
+def test_the_first_start_at_another_micro_batch_size_climbs_against_its_own_time():
+    cluster, seq, batch, schedule = OTHER_MICRO_BATCH
+    ones, _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, k=search.REFINE_STARTS)
+    (two,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+    (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
+    assert full.time_s < ones[0].time_s * (1 - 1e-3)
+    assert math.isclose(two.time_s, full.time_s, rel_tol=1e-9), (layout(two), layout(full))
+    # the optimum is at a micro-batch size of a later start, not the best one's
+    assert two.micro_batch != ones[0].micro_batch and two.micro_batch in {c.micro_batch for c in ones[1:]}
 
 
 # A seeded random tiny cluster (benchmarks/planner.py's) whose two-shape optimum runs chip0 at

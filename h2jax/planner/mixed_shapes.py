@@ -5,11 +5,12 @@ A type's stages can do better on two: under 1F1B a stage nearer the front keeps 
 micro-batches in flight, so the front of a type's block may need a larger tensor size (more
 memory per chip) than its back, and chips a shape leaves over may hold a smaller stage. From
 each of the best plans with one shape per type, `refine` walks stage lists one move away (`moves`),
-each type's stages in at most two blocks anywhere in the pipeline (a move may put a block on
-the other side of its neighbours: a type may run at both ends) and each new block
-on a shape no other shape of its chip beats on every count (`undominated`), solves each
+each type's stages in at most two blocks anywhere in the pipeline (a move may put a block, or
+part of one, on the other side of its neighbours: a type may run at both ends) and each new
+block on a shape no other shape of its chip beats on every count (`undominated`), solves each
 list's layer split exactly (`split.solve`, which skips a list its bounds show cannot win)
-and moves to the best until no move improves it (`climb`). The result is at least as fast as
+and moves to the best until no move improves it (`climb`; the first start at each
+micro-batch size climbs against its own time, not the best so far). The result is at least as fast as
 the one-shape optimum; it is not proved optimal among two-shape plans (chip_split.prove
 proves that, in minutes on hundreds of chips; `--exhaustive` enumerates them: docs/planner.md, "Two
 shapes per chip type").
@@ -58,9 +59,9 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
     stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
     their mesh with their recompute policy or another) given to k stages of another shape of
     its chip, or of a neighbouring block's chip, placed next to the kept ones or to that
-    neighbour (the chips permitting, at most `n_layers` stages); or the block taken out and
-    put in any other place of the pipeline (a type's two blocks may then sit apart, e.g. at
-    both ends, another type between: a few lists per block). A split is not made when
+    neighbour (the chips permitting, at most `n_layers` stages); or the block, or some of its
+    stages on its shape, taken out and put in any other place of the pipeline (a type's two
+    blocks may then sit apart, e.g. at both ends, another type between). A split is not made when
     `hopeless(speed, fill)` says so of its stages' summed `Option.speed` and per-layer fill
     (`split.balance_bound`, what `split.solve` checks first)."""
     used: dict[str, int] = {}
@@ -85,6 +86,13 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
             for j in range(len(rest) + 1):
                 if j != i:
                     yield rest[:j] + (o,) + rest[j:]
+            # some of its stages elsewhere, on its shape: the type's second block, apart from the first
+            if blocks[o.chip] < MAX_BLOCKS_PER_TYPE:
+                for k in range(1, o.stages):
+                    rest = head + (dataclasses.replace(o, stages=o.stages - k),) + tail
+                    for j in range(len(rest) + 1):
+                        if j not in (i, i + 1):  # (beside the kept stages: the same list)
+                            yield rest[:j] + (dataclasses.replace(o, stages=k),) + rest[j:]
         # the chips a new block may come from: this block's, then its neighbours' (beside them)
         sources = [(o.chip, 0)] + [(options[j].chip, j - i) for j in (i - 1, i + 1)
                                    if 0 <= j < len(options) and options[j].chip != o.chip]
@@ -134,18 +142,27 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
            deadline: float = float("inf")) -> Candidate:
     """The best plan reached from each of `starts` in turn by improving moves: `moves` at its
     micro-batch size, or its stage list at another of `micro_batches` (each shape's data size
-    dividing it); the best start itself when no move improves on it. Lists solved once are not
-    solved again. Where `stats` says the exact search proved the best of `starts` optimal among
-    one-shape lists, lists with one shape per type are not solved: none can beat it. Stops at
-    `deadline` (perf_counter seconds) with the best found so far."""
+    dividing it); the best start itself when no move improves on it. A start at the same
+    micro-batch size as an earlier one climbs only through lists faster than the best so far;
+    the first start at a micro-batch size climbs against its own time (its part of the space
+    differs: other memory caps and in-flight counts, so its climb may pass through lists slower
+    than the best so far to a faster one). Lists solved once are not solved again. Where
+    `stats` says the exact search proved the best of `starts` optimal among one-shape lists,
+    lists with one shape per type are not solved: none can beat it. Stops at `deadline`
+    (perf_counter seconds) with the best found so far."""
     shapes, top = Shapes(ctx), TopK(1)
     for c in starts:
         top.push(c)
     seen: set = set()
+    sizes: set[int] = set()
     for start in starts:
         if time.perf_counter() > deadline:
             break
-        climb(ctx, start, micro_batches, shapes, top, seen, stats, deadline)
+        own = top if start.micro_batch in sizes else TopK(1)
+        own.push(start)
+        sizes.add(start.micro_batch)
+        climb(ctx, start, micro_batches, shapes, own, seen, stats, deadline)
+        top.push(own.sorted()[0])
     return top.sorted()[0]
 
 

@@ -379,7 +379,8 @@ def _zb_h1_confirmed(found: list[Candidate], cluster, model, seq_len, global_bat
 
 # The local search over two shapes per type (mixed_shapes.refine) climbs from this many of the
 # best one-shape stage lists (measured on random tiny clusters where two shapes win: from the
-# best alone it reached the two-shape optimum in 8 of 11, from the best 3 in 10)
+# best alone it reached the two-shape optimum in 8 of 11, from the best 3 in 10; one of the 12
+# now needs the third, at another micro-batch size, climbing against its own time)
 REFINE_STARTS = 3
 
 
