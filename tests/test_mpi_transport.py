@@ -34,11 +34,20 @@ def mpiexec(n: int, script: str, *args: str, timeout: float = 90, env: dict | No
     # Each rank sets its own device count; the ranks compile with the tests' fast flags.
     full_env["XLA_FLAGS"] = TEST_XLA_FLAGS
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [MPIEXEC, "-n", str(n), sys.executable, str(SCRIPTS / script), *args],
-        capture_output=True, text=True, timeout=timeout, env=full_env,
-    )
-    return proc, time.monotonic() - t0
+    argv = [MPIEXEC, "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env) as job:
+        try:
+            out, err = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a hang: say all it printed and which processes were left, then end it
+            listing = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,args"], capture_output=True,
+                                     text=True).stdout.splitlines()
+            processes = "\n".join(listing[:1] + [line for line in listing[1:]
+                                                  if any(w in line for w in ("mpiexec", "hydra", script))])
+            job.kill()
+            out, err = job.communicate()
+            pytest.fail(f"{' '.join(argv[1:])} did not end within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}"
+                        f"\n--- processes at the timeout\n{processes}", pytrace=False)
+    return subprocess.CompletedProcess(argv, job.returncode, out, err), time.monotonic() - t0
 
 
 # ----------------------------------------------------------------------------- pure helpers
