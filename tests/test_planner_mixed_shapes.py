@@ -180,25 +180,38 @@ def test_a_move_puts_some_of_a_blocks_stages_elsewhere_on_its_shape():
     assert {(b1, a, b2, c), (a, b2, c, b1)} <= set(after)  # (b's type has one block: its stages may move)
 
 
-# Seeded random tiny clusters (benchmarks/planner.py's) whose two-shape optima the local search
-# reaches only by the move above (chip0's block split around chip1's), and only by climbing
-# from a start at another micro-batch size against its own time (mixed_shapes.refine)
-APART = (Cluster((ChipGroup(chip("chip0", 0.004, 0.1, per_node=4, inter=10.0, intra=5.0), 8),
-                  ChipGroup(chip("chip1", 0.008, 0.1, per_node=4, inter=0.5, intra=50.0), 7))), 32, 2, "gpipe")
-OTHER_MICRO_BATCH = (Cluster((ChipGroup(chip("chip0", 0.008, 0.3, per_node=4, inter=0.5, intra=50.0), 7),
-                              ChipGroup(chip("chip1", 0.004, 1.0, per_node=2, inter=2.0, intra=50.0), 7))),
-                     128, 4, "gpipe")
+# Seeded random tiny clusters (benchmarks/planner.py's) whose two-shape optima run chip0 at
+# both ends of the pipeline and chip1 between: the local search reaches "block" by moving a
+# block to the other side of its neighbour, "part" only by moving some of a block's stages
+# there, on its shape
+BOTH_ENDS = {
+    "block": (Cluster((ChipGroup(chip("chip0", 0.004, 1.0, per_node=4, inter=10.0, intra=5.0), 7),
+                       ChipGroup(chip("chip1", 0.008, 0.3, per_node=4, inter=2.0, intra=50.0, compute="bfloat16"),
+                                 8))), 128, 8, "1f1b"),
+    "part": (Cluster((ChipGroup(chip("chip0", 0.004, 0.1, per_node=4, inter=10.0, intra=5.0), 8),
+                      ChipGroup(chip("chip1", 0.008, 0.1, per_node=4, inter=0.5, intra=50.0), 7))), 32, 2, "gpipe"),
+}
 
 
-def test_the_local_search_splits_a_block_around_another_type():
-    cluster, seq, batch, schedule = APART
+@pytest.mark.parametrize("case", sorted(BOTH_ENDS))
+def test_the_local_search_reaches_a_type_at_both_ends(case):
+    cluster, seq, batch, schedule = BOTH_ENDS[case]
     (two,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
     (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
     (one,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule)
-    assert full.time_s < one.time_s * (1 - 1e-5)
+    assert full.time_s < one.time_s * (1 - 1e-4)
     assert math.isclose(two.time_s, full.time_s, rel_tol=1e-9), (layout(two), layout(full))
-    first, middle, last = two.options
-    assert first.chip == last.chip != middle.chip and first.shape == last.shape, layout(two)
+    chips = [o.chip for o in two.options]
+    assert chips[0] == chips[-1] != chips[1], layout(two)
+    assert case != "part" or two.options[0].shape == two.options[-1].shape, layout(two)
+
+
+# A seeded random tiny cluster (benchmarks/planner.py's) whose two-shape optimum the local
+# search reaches only by climbing from a start at another micro-batch size against its own
+# time (mixed_shapes.refine)
+OTHER_MICRO_BATCH = (Cluster((ChipGroup(chip("chip0", 0.008, 0.3, per_node=4, inter=0.5, intra=50.0), 7),
+                              ChipGroup(chip("chip1", 0.004, 1.0, per_node=2, inter=2.0, intra=50.0), 7))),
+                     128, 4, "gpipe")
 
 
 def test_the_first_start_at_another_micro_batch_size_climbs_against_its_own_time():
@@ -210,25 +223,6 @@ def test_the_first_start_at_another_micro_batch_size_climbs_against_its_own_time
     assert math.isclose(two.time_s, full.time_s, rel_tol=1e-9), (layout(two), layout(full))
     # the optimum is at a micro-batch size of a later start, not the best one's
     assert two.micro_batch != ones[0].micro_batch and two.micro_batch in {c.micro_batch for c in ones[1:]}
-
-
-# A seeded random tiny cluster (benchmarks/planner.py's) whose two-shape optimum runs chip0 at
-# both ends of the pipeline and chip1 between: the local search reaches it by moving a block
-# to the other side of its neighbour
-ENDS = (Cluster((ChipGroup(chip("chip0", 0.004, 1.0, per_node=4, inter=10.0, intra=5.0), 7),
-                 ChipGroup(chip("chip1", 0.008, 0.3, per_node=4, inter=2.0, intra=50.0, compute="bfloat16"), 8))),
-        128, 8, "1f1b")
-
-
-def test_the_local_search_reaches_a_type_at_both_ends():
-    cluster, seq, batch, schedule = ENDS
-    (two,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
-    (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
-    (one,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule)
-    assert full.time_s < one.time_s * (1 - 1e-3)
-    assert math.isclose(two.time_s, full.time_s, rel_tol=1e-9), (layout(two), layout(full))
-    chips = [o.chip for o in two.options]
-    assert chips[0] == chips[-1] != chips[1], layout(two)
 
 
 def test_the_exhaustive_size_counts_two_shape_lists():
