@@ -11,10 +11,9 @@ import pytest
 
 from h2jax.cli import main as cli_main
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_cluster
-from h2jax.planner import plan_cluster
+from h2jax.planner import plan_cluster, search
 from h2jax.planner.cost_model import CostOptions
 from h2jax.planner.mixed_shapes import in_space, merged, moves, refine
-from h2jax.planner import search
 from h2jax.planner.search import exhaustive_size, top_k
 from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
 

@@ -89,10 +89,11 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
             # some of its stages elsewhere, on its shape: the type's second block, apart from the first
             if blocks[o.chip] < MAX_BLOCKS_PER_TYPE:
                 for k in range(1, o.stages):
-                    rest = head + (dataclasses.replace(o, stages=o.stages - k),) + tail
-                    for j in range(len(rest) + 1):
+                    shorter = head + (dataclasses.replace(o, stages=o.stages - k),) + tail
+                    moved = (dataclasses.replace(o, stages=k),)
+                    for j in range(len(shorter) + 1):
                         if j not in (i, i + 1):  # (beside the kept stages: the same list)
-                            yield rest[:j] + (dataclasses.replace(o, stages=k),) + rest[j:]
+                            yield shorter[:j] + moved + shorter[j:]
         # the chips a new block may come from: this block's, then its neighbours' (beside them)
         sources = [(o.chip, 0)] + [(options[j].chip, j - i) for j in (i - 1, i + 1)
                                    if 0 <= j < len(options) and options[j].chip != o.chip]
