@@ -230,6 +230,73 @@ def test_a_search_started_from_the_boxes_another_left_finds_the_same_optimum(h10
     assert stops >= 3
 
 
+@pytest.mark.parametrize("max_work", [3.0, 30.0])
+def test_a_search_out_of_work_leaves_the_boxes_a_resumed_search_finishes_from(max_work):
+    """A search given `max_work` stops with OverBudget (bound rows plus LIST_WORK per list:
+    both kinds of stop, between generations and inside a box's walk) and leaves its open
+    boxes; the search of a node a few chips narrower started from them (and the plans found
+    so far) reaches the optimum a fresh search reaches."""
+    cluster = load_cluster(REPO / "plans" / "cluster-64.toml")
+    parent = make_context(cluster, "llama-100b", 4096, 2048)
+    child = make_context(Cluster(tuple(ChipGroup(g.chip, 24 if g.chip.name == "nvidia-h100" else g.count)
+                                       for g in cluster.groups)), "llama-100b", 4096, 2048)
+    mbs = divisors(2048)
+    stopped, left = TopK(1), []
+    with pytest.raises(dual_search.OverBudget):
+        dual_search.search(parent, mbs, stopped, SearchStats(), dives=0, left=left, max_work=max_work)
+    assert left
+    fresh, resumed = TopK(1), TopK(1)
+    for c in stopped.sorted():
+        fresh.push(c)
+        resumed.push(c)
+    dual_search.search(child, mbs, fresh, SearchStats(), dives=0)
+    dual_search.search(child, mbs, resumed, SearchStats(), dives=0, start=left)
+    assert resumed.sorted()[0].time_s == pytest.approx(fresh.sorted()[0].time_s, rel=1e-12)
+
+
+def test_a_node_splits_a_range_from_zero_at_one_else_at_the_over_plan_or_the_middle():
+    """`_split`: after a plan over a type's chips, on the type most over them, at min(u1,
+    middle + 1); after the node's work ran out, on the widest range, at its middle + 1; a
+    range from 0 at 1 (x = 0: the type in one block)."""
+    ctx = make_context(Cluster((ChipGroup(chip("a", 0.008, 1.0), 5), ChipGroup(chip("b", 0.008, 1.0), 6))),
+                       "tiny", 32, 4)
+    out = chip_split._Outcome("budget", None, None, 0.0, [])
+    assert chip_split._split(ctx, chip_split._Node(0.0, 0, {"a": (1, 3), "b": (1, 2)}), out) == ("a", 3)  # widest
+    node = chip_split._Node(0.0, 0, {"a": (1, 3), "b": (0, 3)})
+    assert chip_split._split(ctx, node, out) == ("b", 1)  # the widest, from 0: at 1
+    v = chip_split.virtual_context(ctx, node.bounds)
+    opts = dict(zip(v.order, v.type_options(4, prune_unfit=False)))
+    a1, a2, b2 = (next(o for o in opts[name] if o.chips == n) for name, n in (("a#1", 2), ("a#2", 4), ("b#2", 1)))
+    over = Candidate(1.0, 4, (a1, b2, a2), (1, 1, 1))  # a: 2 + 4 > 5 chips
+    assert chip_split._split(ctx, node, dataclasses.replace(out, kind="over", over=over)) == ("a", 2)  # u1 < 3
+
+
+def test_the_proof_stays_exact_when_nodes_split_for_running_out_of_work(monkeypatch):
+    """With almost no work per node, nearly every node splits before it is done (on its
+    widest range, from the boxes it left): on the clusters whose proof beats the local
+    search's plan, it still reaches the exhaustive two-shape optimum, proved."""
+    monkeypatch.setattr(chip_split, "NODE_WORK", 0.5)
+    kinds = []
+    real = chip_split._search_node
+
+    def counted(*args, **kw):
+        out = real(*args, **kw)
+        kinds.append(out.kind)
+        return out
+
+    monkeypatch.setattr(chip_split, "_search_node", counted)
+    for groups, seq, batch, schedule in MULTI_NODE[:-1]:
+        cluster = Cluster(tuple(ChipGroup(chip(*args), count) for args, count in groups))
+        kw = dict(schedule=schedule, recompute=("none", "full"))
+        (proved,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)
+        (full,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, exhaustive=True, **kw)
+        (local,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, **kw)
+        assert stats.two_shapes_proved and stats.two_shape_lower_bound_s == proved.time_s
+        assert math.isclose(proved.time_s, full.time_s, rel_tol=1e-9), (layout(proved), layout(full))
+        assert proved.time_s < local.time_s * (1 - 1e-9)  # (so a proof that drops a node cannot pass)
+    assert kinds.count("budget") >= 10
+
+
 # ----------------------------------------------------------------------------- worker processes
 
 

@@ -13,8 +13,13 @@ or meets a plan P that beats it and takes more than some type's chips (u1 on t#1
 u1 + u2 > C_t). It stops there (`_FirstOver`: the node's optimum is not needed, only a way to
 split it) and the node splits at c = min(u1, the middle of [lo, hi] + 1): x < c and x >= c.
 Together the halves hold every plan of the node; P's t#1 has too many chips for the first
-(and, where c = u1, P's t#2 too many for the second). A node with lo = hi holds only plans
-within the types' chips (u1 + u2 <= hi + C_t - lo = C_t), so the halving ends.
+(and, where c = u1, P's t#2 too many for the second). A range from 0 splits at 1 instead:
+x = 0 (the type in one block: no t#1, one virtual type fewer, exact in that type) and
+x >= 1. A node whose search has done NODE_WORK without closing or meeting such a plan
+splits too, on its widest range (a few such nodes closed on the 768-chip cluster only after
+walking ~10^5 lists each; their halves, narrower, close for far less). A node with lo = hi
+holds only plans within the types' chips (u1 + u2 <= hi + C_t - lo = C_t), so the halving
+ends; its search has no work limit.
 
 Nodes go best bound first (a half inherits its node's bound, the root's 0, or the bound the
 exact search reached when the time ran out). Both halves start their search from the boxes
@@ -29,8 +34,8 @@ incumbents (the best so far seeds it; on the 768-chip cluster the proof then rea
 tighter bound in the same time). When none is left below the best plan, that
 plan is the optimum of the two-shape space. The relaxation is loose where a few chips more
 make a stage fit (on the 64-chip cluster, llama-100b, the root's virtual optimum is 39 %
-under the real one), so the proof takes many nodes (hundreds on the 768-chip cluster, a few
-minutes); where the time limit stops it, it reports a valid lower bound (figures:
+under the real one), so the proof takes many nodes (about 150 on the 768-chip cluster, tens
+of seconds); where the time limit stops it, it reports a valid lower bound (figures:
 docs/planner.md).
 
 Nodes are independent given the best plan so far, so `prove(workers=N)` searches N at once,
@@ -64,6 +69,11 @@ from h2jax.planner.space import TIME_LIMIT, Candidate, Context, PlannerError, Se
 from h2jax.planner.split import OutOfTime, TopK
 
 NODE_DIVES = 0  # a node search's dives for incumbents (dual_search.DIVE_BATCHES): none, the best so far seeds it
+# A node's search may do this much work (bound rows, and dual_search.LIST_WORK per stage list
+# walked or solved) before it is split on its widest type: on the 768-chip cluster a few nodes
+# whose virtual optimum sits just above the best plan took 10-25 s each to close, walking
+# ~10^5 lists in one box; their halves, a few chips narrower, close for a fraction of it.
+NODE_WORK = 100.0
 SEP = "#"  # virtual type names: "<chip>#1", "<chip>#2"
 
 
@@ -147,7 +157,8 @@ def _better(top: _FirstOver, best: Candidate | None) -> Candidate | None:
 @dataclasses.dataclass
 class _Outcome:
     """How a node's search ended: "closed" (no plan of it beats `best`), "over" (`over` beats
-    it and takes more than a type's chips: split the node) or "time" (the deadline); `best`
+    it and takes more than a type's chips: split the node), "budget" (it did NODE_WORK and is
+    not done: split it too) or "time" (the deadline); `best`
     the best plan so far after it (its plans within the chips count), `bound` the bound its
     search reached, `left` the boxes it left open (the halves', or its own resumption's, start)."""
 
@@ -166,7 +177,10 @@ def _search_node(ctx: Context, micro_batches: Sequence[int], node: _Node, best: 
     inner, left = SearchStats(), []
     try:
         dual_search.search(virtual_context(ctx, node.bounds), micro_batches, top, inner, deadline,
-                           dives=NODE_DIVES, start=node.start, left=left)
+                           dives=NODE_DIVES, start=node.start, left=left,
+                           max_work=NODE_WORK if any(lo < hi for lo, hi in node.bounds.values()) else None)
+    except dual_search.OverBudget:
+        return _Outcome("budget", _better(top, best), None, max(node.bound, inner.lower_bound_s), left)
     except OutOfTime:  # the node's bound so far stays a valid bound on its plans
         return _Outcome("time", _better(top, best), None, max(node.bound, inner.lower_bound_s), left)
     except _Over as e:  # the search's bound so far bounds both halves
@@ -175,13 +189,25 @@ def _search_node(ctx: Context, micro_batches: Sequence[int], node: _Node, best: 
     return _Outcome("closed", _better(top, best), None, math.inf, [])
 
 
+def _split(ctx: Context, node: _Node, out: _Outcome) -> tuple[str, int]:
+    """Where a node splits, (type, c): x < c and x >= c. After `out.over`, on the type most
+    over its chips at c = min(u1, middle + 1); after its work ran out, on the type of the
+    widest range at its middle + 1. But a range from 0 splits at 1: x = 0, the type in one
+    block (a virtual cluster without t#1: one type fewer, exact in that type), and x >= 1."""
+    if out.over is None:
+        name = max(ctx.order, key=lambda n: node.bounds[n][1] - node.bounds[n][0])
+        (lo, hi), u1 = node.bounds[name], node.bounds[name][1]
+    else:
+        over = {name: u for name, u in usage(out.over).items() if sum(u) > ctx.counts[name]}
+        name = max(over, key=lambda n: sum(over[n]) - ctx.counts[n])
+        (lo, hi), u1 = node.bounds[name], over[name][0]
+    return name, 1 if lo == 0 else min(u1, (lo + hi) // 2 + 1)
+
+
 def _halves(ctx: Context, node: _Node, out: _Outcome, counter) -> list[_Node]:
-    """The two halves of a node whose search met `out.over`, split on the type most over its
-    chips at c = min(u1, middle + 1): x < c and x >= c."""
-    over = {name: u for name, u in usage(out.over).items() if sum(u) > ctx.counts[name]}
-    name = max(over, key=lambda n: sum(over[n]) - ctx.counts[n])
-    (lo, hi), u1 = node.bounds[name], over[name][0]
-    cut = min(u1, (lo + hi) // 2 + 1)
+    """The two halves of a node (`_split`), each starting from the boxes its search left."""
+    name, cut = _split(ctx, node, out)
+    lo, hi = node.bounds[name]
     return [_Node(out.bound, next(counter), {**node.bounds, name: child}, out.left)
             for child in ((lo, cut - 1), (cut, hi)) if child[0] <= child[1]]  # lo < cut <= hi
 
@@ -281,7 +307,7 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate | Non
             node, out = pool.next_done(running) if pool else running.popitem()[1]
             if _time(out.best) < _time(best):
                 best = out.best
-            if out.kind == "over":
+            if out.kind in ("over", "budget"):
                 for half in _halves(ctx, node, out, counter):
                     push(half)
             if out.kind == "time":  # open again, where its search stopped (the same order: it replaces it)

@@ -318,9 +318,10 @@ class _Enumerator:
     type in at most one block, in any order (the front completion bound `front_dp` is per set
     of types left)."""
 
-    def __init__(self, ctx: Context, batch: _Batch, top: TopK, stats: SearchStats, solved: set, deadline: float):
+    def __init__(self, ctx: Context, batch: _Batch, top: TopK, stats: SearchStats, solved: set, deadline: float,
+                 budget: "_Budget | None" = None):
         self.ctx, self.batch, self.top, self.stats, self.solved = ctx, batch, top, stats, solved
-        self.deadline = deadline
+        self.deadline, self.budget = deadline, budget
         self.L = ctx.model.n_layers
 
     def run(self, lo: np.ndarray, hi: np.ndarray, lam: float, max_leaves: int | None = None) -> None:
@@ -417,6 +418,8 @@ class _Enumerator:
             return
         if time.perf_counter() > self.deadline:
             raise OutOfTime
+        if self.budget is not None:
+            self.budget.spend(lists=1)
         bound = top.bound
         for r, t2, s, k, is_front, cost, most, reach in zip(*(c[:n].tolist() for c in found)):
             if base + C + r >= bound or self.leaves_left == 0:
@@ -440,11 +443,35 @@ class _Enumerator:
             return
         if time.perf_counter() > self.deadline:
             raise OutOfTime
+        if self.budget is not None:
+            self.budget.spend(lists=1)
         self.solved.add(key)
         if self.leaves_left is not None:
             self.leaves_left -= 1
         chosen = [self.batch.with_stages(self.tables[t].options[s], k) for t, s, k in blocks]
         solve(self.ctx, self.batch.b, chosen, self.top, self.stats)
+
+
+class OverBudget(Exception):
+    """A search given `max_work` did that much and is not done (`left` holds its boxes)."""
+
+
+LIST_WORK = 1 / 50  # a stage list walked or solved, in bound rows (~150 us against ~7 ms on the 768-chip proof)
+
+
+class _Budget:
+    """Work a search may do: bound rows plus LIST_WORK per stage list walked or solved."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit, self.rows, self.lists = limit, 0, 0
+
+    def spend(self, lists: int = 0, rows: int | None = None) -> None:
+        """Count `lists` more, and the rows bound so far (when given); OverBudget past the limit."""
+        self.lists += lists
+        if rows is not None:
+            self.rows = rows
+        if self.rows + self.lists * LIST_WORK >= self.limit:
+            raise OverBudget
 
 
 @dataclasses.dataclass(order=True)
@@ -474,6 +501,7 @@ def _shrink(batch: _Batch, lo: np.ndarray, hi: np.ndarray, gap: float) -> np.nda
 def search(
     ctx: Context, micro_batches: Sequence[int], top: TopK, stats: SearchStats, deadline: float = math.inf,
     dives: int = DIVE_BATCHES, start: Sequence[_Box] | None = None, left: list[_Box] | None = None,
+    max_work: float | None = None,
 ) -> None:
     """Fill `top` with the K best stage lists of the space, exactly; raises OutOfTime (with
     stats.lower_bound_s a valid lower bound on the optimum) when the deadline passes.
@@ -482,12 +510,14 @@ def search(
     with a `top` no lower than this one's: every plan of this space that can beat `top`
     lies in one of them (at least their bounds), so the search starts from them instead of
     its micro-batch sizes' roots (and makes no dives). `left`: where an exception (OutOfTime,
-    or the caller's `top` ending the search) leaves the boxes still open: those on the heap,
-    those being split and the one being resolved."""
+    OverBudget, or the caller's `top` ending the search) leaves the boxes still open: those on
+    the heap, those being split and the one being resolved. `max_work`: raise OverBudget once
+    the search has bound that many rows, plus LIST_WORK per stage list walked or solved."""
     L = ctx.model.n_layers
     solved: set = set()
     counter = itertools.count()
     heap: list[_Box] = []
+    budget = None if max_work is None else _Budget(max_work)
     # micro-batch sizes by a cheap bound; each one's tables are built when its turn comes
     def root(b: int) -> tuple:
         if time.perf_counter() > deadline:  # a global batch with thousands of divisors takes a while
@@ -561,6 +591,8 @@ def search(
         generation: dict[int, tuple[_Batch, list]] = {}  # per batch (its id), boxes to bound
         open_boxes: list[_Box] = []  # popped, not done with: being split or resolved
         try:
+            if budget is not None:
+                budget.spend(rows=sum(b.rows for b in batches.values() if b is not None))
             while heap and len(generation) < GENERATION and sum(len(v[1]) for v in generation.values()) < 2 * GENERATION:
                 box = heapq.heappop(heap)
                 if box.lb >= top.bound:
@@ -602,7 +634,7 @@ def search(
                         heapq.heappush(heap, _Box(box.lb, next(counter), None, lo, hi, box.lam, batch.b,
                                                   batch.v_feasible, lengths, fresh=False))
                     if not halves:
-                        _Enumerator(ctx, batch, top, stats, solved, deadline).run(lo, hi, box.lam)
+                        _Enumerator(ctx, batch, top, stats, solved, deadline, budget).run(lo, hi, box.lam)
                     open_boxes.pop()
                     continue
                 d = int(np.argmax(widths))  # halve the costliest side
