@@ -271,6 +271,17 @@ def test_a_node_splits_a_range_from_zero_at_one_else_at_the_over_plan_or_the_mid
     assert chip_split._split(ctx, node, dataclasses.replace(out, kind="over", over=over)) == ("a", 2)  # u1 < 3
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_a_schedule_whose_lists_go_by_length_gives_a_node_more_work(schedule):
+    """ZB-H1's search takes its lists apart by pipeline length (tables per range): a node's
+    start costs more, so it may do RANGED_NODE_WORK before it splits; 1F1B and GPipe NODE_WORK."""
+    ctx = make_context(APART, "tiny", 32, 2, schedule)
+    ranged = dual_search.length_ranges(ctx, ctx.global_batch) != [None]
+    assert ranged == (schedule == "zb-h1")
+    assert chip_split.node_work(ctx) == (chip_split.RANGED_NODE_WORK if ranged else chip_split.NODE_WORK)
+    assert chip_split.RANGED_NODE_WORK > chip_split.NODE_WORK
+
+
 def test_the_proof_stays_exact_when_nodes_split_for_running_out_of_work(monkeypatch):
     """With almost no work per node, nearly every node splits before it is done (on its
     widest range, from the boxes it left): on the clusters whose proof beats the local

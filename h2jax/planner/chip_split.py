@@ -15,7 +15,7 @@ split it) and the node splits at c = min(u1, the middle of [lo, hi] + 1): x < c 
 Together the halves hold every plan of the node; P's t#1 has too many chips for the first
 (and, where c = u1, P's t#2 too many for the second). A range from 0 splits at 1 instead:
 x = 0 (the type in one block: no t#1, one virtual type fewer, exact in that type) and
-x >= 1. A node whose search has done NODE_WORK without closing or meeting such a plan
+x >= 1. A node whose search has done `node_work` without closing or meeting such a plan
 splits too, on its widest range (a few such nodes closed on the 768-chip cluster only after
 walking ~10^5 lists each; their halves, narrower, close for far less). A node with lo = hi
 holds only plans within the types' chips (u1 + u2 <= hi + C_t - lo = C_t), so the halving
@@ -71,9 +71,20 @@ from h2jax.planner.split import OutOfTime, TopK
 NODE_DIVES = 0  # a node search's dives for incumbents (dual_search.DIVE_BATCHES): none, the best so far seeds it
 # A node's search may do this much work (bound rows, and dual_search.LIST_WORK per stage list
 # walked or solved) before it is split on its widest type: on the 768-chip cluster a few nodes
-# whose virtual optimum sits just above the best plan took 10-25 s each to close, walking
+# whose virtual optimum sits just above the best plan took 7-21 s each to close, walking
 # ~10^5 lists in one box; their halves, a few chips narrower, close for a fraction of it.
+# RANGED_NODE_WORK for a schedule whose search takes its lists apart by pipeline length
+# (ZB-H1, interleaved 1F1B: dual_search.length_ranges): a node then builds and bounds tables
+# per range, a dearer start that every split repeats (ZB-H1 on 768 chips, exploratory: 268 s
+# at 100, 63 s at 300; 1F1B there 22 s at 100, 32 s at 300).
 NODE_WORK = 100.0
+RANGED_NODE_WORK = 300.0
+
+
+def node_work(ctx: Context) -> float:
+    """The work a node's search may do before it splits, under the context's schedule."""
+    ranged = dual_search.length_ranges(ctx, ctx.global_batch) != [None]
+    return RANGED_NODE_WORK if ranged else NODE_WORK
 SEP = "#"  # virtual type names: "<chip>#1", "<chip>#2"
 
 
@@ -157,8 +168,8 @@ def _better(top: _FirstOver, best: Candidate | None) -> Candidate | None:
 @dataclasses.dataclass
 class _Outcome:
     """How a node's search ended: "closed" (no plan of it beats `best`), "over" (`over` beats
-    it and takes more than a type's chips: split the node), "budget" (it did NODE_WORK and is
-    not done: split it too) or "time" (the deadline); `best`
+    it and takes more than a type's chips: split the node), "budget" (it did `node_work` and
+    is not done: split it too) or "time" (the deadline); `best`
     the best plan so far after it (its plans within the chips count), `bound` the bound its
     search reached, `left` the boxes it left open (the halves', or its own resumption's, start)."""
 
@@ -178,7 +189,7 @@ def _search_node(ctx: Context, micro_batches: Sequence[int], node: _Node, best: 
     try:
         dual_search.search(virtual_context(ctx, node.bounds), micro_batches, top, inner, deadline,
                            dives=NODE_DIVES, start=node.start, left=left,
-                           max_work=NODE_WORK if any(lo < hi for lo, hi in node.bounds.values()) else None)
+                           max_work=node_work(ctx) if any(lo < hi for lo, hi in node.bounds.values()) else None)
     except dual_search.OverBudget:
         return _Outcome("budget", _better(top, best), None, max(node.bound, inner.lower_bound_s), left)
     except OutOfTime:  # the node's bound so far stays a valid bound on its plans
