@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
                         "proves optimal; by default a local search then tries two shapes per type")
     p.add_argument("--prove-two-shapes", action="store_true",
                    help="prove the plan optimal among plans with up to two shapes per chip type (branch and bound "
-                        "over how each type's chips split between its blocks; minutes on hundreds of chips: raise --time-limit; "
+                        "over how each type's chips split between its blocks; tens of seconds on hundreds of chips, more on "
+                        "thousands: raise --time-limit; "
                         "it shows where it stands, and Ctrl-C stops it and keeps the best plan found)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes for --prove-two-shapes, each searching a node of its own once the proof has run "
