@@ -230,21 +230,38 @@ def test_a_search_started_from_the_boxes_another_left_finds_the_same_optimum(h10
     assert stops >= 3
 
 
-@pytest.mark.parametrize("max_work", [3.0, 30.0])
-def test_a_search_out_of_work_leaves_the_boxes_a_resumed_search_finishes_from(max_work):
-    """A search given `max_work` stops with OverBudget (bound rows plus LIST_WORK per list:
-    both kinds of stop, between generations and inside a box's walk) and leaves its open
-    boxes; the search of a node a few chips narrower started from them (and the plans found
-    so far) reaches the optimum a fresh search reaches."""
+@pytest.mark.parametrize("space", ["real", "virtual"])
+def test_a_search_out_of_work_leaves_the_boxes_a_resumed_search_finishes_from(space):
+    """A search given `max_work` stops with OverBudget -- on the 64-chip cluster from scratch
+    inside a box's walk (its lists), on the proof's root node seeded with the one-shape optimum
+    between two generations (its bound rows) -- and leaves its open boxes; the search of a
+    space a few chips narrower started from them (and the plans found so far) reaches the
+    optimum a fresh search reaches."""
+    import sys
+    import traceback
+
     cluster = load_cluster(REPO / "plans" / "cluster-64.toml")
-    parent = make_context(cluster, "llama-100b", 4096, 2048)
-    child = make_context(Cluster(tuple(ChipGroup(g.chip, 24 if g.chip.name == "nvidia-h100" else g.count)
-                                       for g in cluster.groups)), "llama-100b", 4096, 2048)
+    ctx = make_context(cluster, "llama-100b", 4096, 2048)
     mbs = divisors(2048)
     stopped, left = TopK(1), []
+    if space == "real":
+        parent = ctx
+        child = make_context(Cluster(tuple(ChipGroup(g.chip, 24 if g.chip.name == "nvidia-h100" else g.count)
+                                           for g in cluster.groups)), "llama-100b", 4096, 2048)
+    else:
+        one = TopK(1)
+        dual_search.search(ctx, mbs, one, SearchStats(), dives=0)
+        stopped.push(one.sorted()[0])
+        root = {name: (0, ctx.counts[name] // 2) for name in ctx.order}
+        parent = chip_split.virtual_context(ctx, root)
+        child = chip_split.virtual_context(ctx, {**root, "nvidia-h100": (0, 8)})
     with pytest.raises(dual_search.OverBudget):
-        dual_search.search(parent, mbs, stopped, SearchStats(), dives=0, left=left, max_work=max_work)
-    assert left
+        try:
+            dual_search.search(parent, mbs, stopped, SearchStats(), dives=0, left=left, max_work=5.0)
+        except dual_search.OverBudget:
+            where = traceback.extract_tb(sys.exc_info()[2])[-2].name
+            raise
+    assert where == ("_leaf" if space == "real" else "search") and left
     fresh, resumed = TopK(1), TopK(1)
     for c in stopped.sorted():
         fresh.push(c)

@@ -69,6 +69,7 @@ from h2jax.planner.space import TIME_LIMIT, Candidate, Context, PlannerError, Se
 from h2jax.planner.split import OutOfTime, TopK
 
 NODE_DIVES = 0  # a node search's dives for incumbents (dual_search.DIVE_BATCHES): none, the best so far seeds it
+SEP = "#"  # virtual type names: "<chip>#1", "<chip>#2"
 # A node's search may do this much work (bound rows, and dual_search.LIST_WORK per stage list
 # walked or solved) before it is split on its widest type: on the 768-chip cluster a few nodes
 # whose virtual optimum sits just above the best plan took 7-21 s each to close, walking
@@ -85,7 +86,6 @@ def node_work(ctx: Context) -> float:
     """The work a node's search may do before it splits, under the context's schedule."""
     ranged = dual_search.length_ranges(ctx, ctx.global_batch) != [None]
     return RANGED_NODE_WORK if ranged else NODE_WORK
-SEP = "#"  # virtual type names: "<chip>#1", "<chip>#2"
 
 
 def virtual_context(ctx: Context, bounds: Mapping[str, tuple[int, int]]) -> Context:
