@@ -328,9 +328,9 @@ def test_the_proof_stays_exact_when_nodes_split_for_running_out_of_work(monkeypa
 # ----------------------------------------------------------------------------- worker processes
 
 
-# (chip groups, seq, batch, schedule): seeded random clusters whose proof takes three nodes
-# (the root's halves run at once) and, but the last, beats the local search's plan, found in
-# the root's second half (the local search reaches the last one's optimum)
+# (chip groups, seq, batch, schedule): seeded random clusters whose proof takes three nodes or
+# more (the root's halves run at once: three or seven since a range from 0 splits at 1 first)
+# and, but the last, beats the local search's plan (the local search reaches the last one's optimum)
 MULTI_NODE = [
     ([(("chip0", 0.004, 2.5, 4, 0.5, 5.0, "bfloat16"), 3)], 128, 4, "gpipe"),
     ([(("chip0", 0.004, 0.3, 2, 10.0, 50.0, "float32"), 3)], 128, 2, "gpipe"),
