@@ -540,6 +540,9 @@ def search(
     batches: dict[tuple, _Batch | None] = {}  # per micro-batch size and range of lengths
     counted: set[int] = set()  # micro-batch sizes in stats.space_size
 
+    def rows_bound() -> int:  # the bound rows of this search's tables so far
+        return sum(b.rows for b in batches.values() if b is not None)
+
     def build(b: int, lengths: tuple[int, int] | None, v_balance: float, bracket: bool = False) -> _Batch | None:
         if (b, lengths) not in batches:
             if time.perf_counter() > deadline:
@@ -592,7 +595,7 @@ def search(
         open_boxes: list[_Box] = []  # popped, not done with: being split or resolved
         try:
             if budget is not None:
-                budget.spend(rows=sum(b.rows for b in batches.values() if b is not None))
+                budget.spend(rows=rows_bound())
             while heap and len(generation) < GENERATION and sum(len(v[1]) for v in generation.values()) < 2 * GENERATION:
                 box = heapq.heappop(heap)
                 if box.lb >= top.bound:
@@ -652,8 +655,8 @@ def search(
                 left.extend(dataclasses.replace(b, batch=None, v_balance=b.batch.v_feasible if b.batch else b.v_balance,
                                                 fresh=False)
                             for b in [*open_boxes, *heap])
-            stats.bound_rows = sum(b.rows for b in batches.values() if b is not None)
+            stats.bound_rows = rows_bound()
             raise
     if top.heap:
         stats.lower_bound_s = top.sorted()[0].time_s
-    stats.bound_rows = sum(b.rows for b in batches.values() if b is not None)
+    stats.bound_rows = rows_bound()
