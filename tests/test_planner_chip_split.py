@@ -313,9 +313,7 @@ def test_the_proof_stays_exact_when_nodes_split_for_running_out_of_work(monkeypa
         return out
 
     monkeypatch.setattr(chip_split, "_search_node", counted)
-    for groups, seq, batch, schedule in MULTI_NODE[:-1]:
-        cluster = Cluster(tuple(ChipGroup(chip(*args), count) for args, count in groups))
-        kw = dict(schedule=schedule, recompute=("none", "full"))
+    for cluster, seq, batch, kw in multi_node_cases():
         (proved,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)
         (full,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, exhaustive=True, **kw)
         (local,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, **kw)
@@ -344,13 +342,19 @@ MULTI_NODE = [
 ]
 
 
+def multi_node_cases():
+    """MULTI_NODE but the last, as (cluster, seq, batch, top_k keywords): the proofs that beat
+    the local search's plan."""
+    for groups, seq, batch, schedule in MULTI_NODE[:-1]:
+        cluster = Cluster(tuple(ChipGroup(chip(*args), count) for args, count in groups))
+        yield cluster, seq, batch, dict(schedule=schedule, recompute=("none", "full"))
+
+
 def test_nodes_searched_by_worker_processes_reach_the_same_proved_optimum(monkeypatch):
     """Two worker processes from the first node on (POOL_AFTER_S 0): on clusters whose proof
     takes several nodes and beats the local search's plan, the proof reaches the optimum the
     proof in one process reaches, proved."""
-    for groups, seq, batch, schedule in MULTI_NODE[:-1]:
-        cluster = Cluster(tuple(ChipGroup(chip(*args), count) for args, count in groups))
-        kw = dict(schedule=schedule, recompute=("none", "full"))
+    for cluster, seq, batch, kw in multi_node_cases():
         (alone,), one = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, **kw)
         (local,), _ = top_k(cluster, "tiny", seq, batch, mixed_shapes=True, **kw)
         assert one.two_shape_nodes >= 3  # (what the case is for)
