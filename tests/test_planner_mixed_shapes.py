@@ -16,6 +16,7 @@ from h2jax.planner.cost_model import CostOptions
 from h2jax.planner.mixed_shapes import in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
 from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
+from h2jax.planner.split import list_sums, sums_bound
 
 REPO = Path(__file__).resolve().parent.parent
 C64 = REPO / "plans" / "cluster-64.toml"
@@ -143,6 +144,26 @@ def test_moves_are_one_step_and_reach_every_split_of_a_block():
     for x in found:  # a move changes one block and at most one neighbouring type
         after = per_chip(x)
         assert sum(before.get(c) != after.get(c) for c in set(before) | set(after)) <= 2
+
+
+def test_moves_skip_only_the_lists_whose_sums_cannot_beat_the_best():
+    """`moves` weighs a new block's lists by the sums of their stages (`split.sums_bound`)
+    before it builds them: every list it no longer yields once told a time to beat has a bound
+    of at least that time, and it skips some."""
+    ctx = make_context(load_cluster(C64), "llama-100b", 4096, 2048)
+    (best,), _ = top_k(load_cluster(C64), "llama-100b", 4096, 2048)
+    b, L = best.micro_batch, ctx.model.n_layers
+    weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
+    shapes = {}
+    for opts in ctx.type_shapes(b, prune_unfit=True):
+        for o in opts:
+            shapes.setdefault(o.chip, []).append(o)
+    start = merged(best.options)
+    every = set(moves(start, shapes, ctx.counts, L))
+    kept = set(moves(start, shapes, ctx.counts, L, lambda sums: sums_bound(weight, L, sums) >= best.time_s))
+    assert kept <= every and len(kept) < len(every)
+    for x in every - kept:
+        assert sums_bound(weight, L, list_sums(x)) >= best.time_s * (1 - 1e-12)
 
 
 def test_a_move_puts_one_block_anywhere_else_in_the_pipeline():

@@ -12,7 +12,7 @@ from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision
 from h2jax.planner import PlannerError, top_k
 from h2jax.planner import cost_model as cm
 from h2jax.planner.search import make_context
-from h2jax.planner.split import _breakpoints, list_bound, list_may_beat
+from h2jax.planner.split import _breakpoints, list_bound, list_may_beat, list_sums, sums_bound
 
 
 @st.composite
@@ -105,6 +105,9 @@ def test_a_stage_lists_cheap_bound_never_exceeds_its_best_split(case, seq, batch
                   for o in c.options]
         bound = list_bound(ctx, c.micro_batch, chosen)
         assert 0 < bound <= c.time_s * (1 + 1e-12), (bound, c.time_s)
+        # the cheapest bound, from sums over the stages (what solve and the local search's moves ask first)
+        weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // c.micro_batch, ctx.v)
+        assert 0 < sums_bound(weight, ctx.model.n_layers, list_sums(chosen)) <= bound * (1 + 1e-12)
         # what solve asks instead: whether the bound is below a given one, either side of it
         for x in (bound * 0.999, bound * 1.001, c.time_s, math.inf):
             assert list_may_beat(ctx, c.micro_batch, chosen, x) == (bound < x), (x, bound)

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from h2jax.planner.space import Candidate, Context, Option, SearchStats
-from h2jax.planner.split import TopK, balance_bound, solve
+from h2jax.planner.split import ListSums, TopK, list_sums, per_tail, solve, sums_bound
 
 MAX_BLOCKS_PER_TYPE = 2
 
@@ -54,7 +54,7 @@ def in_space(options: Sequence[Option], counts: Mapping[str, int]) -> bool:
 
 def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
           counts: Mapping[str, int], n_layers: int,
-          hopeless: Callable[[float, float], bool] = lambda speed, fill: False) -> Iterator[tuple[Option, ...]]:
+          hopeless: Callable[[ListSums], bool] = lambda sums: False) -> Iterator[tuple[Option, ...]]:
     """Stage lists one move from `options` (`in_space` may still reject some): a block one
     stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
     their mesh with their recompute policy or another) given to k stages of another shape of
@@ -62,25 +62,23 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
     neighbour (the chips permitting, at most `n_layers` stages); or the block, or some of its
     stages on its shape, taken out and put in any other place of the pipeline (a type's two
     blocks may then sit apart, e.g. at both ends, another type between). A split is not made when
-    `hopeless(speed, fill)` says so of its stages' summed `Option.speed` and per-layer fill
-    (`split.balance_bound`, what `split.solve` checks first)."""
+    `hopeless(sums)` says so of its stages' sums (`split.ListSums`, what `split.solve`
+    bounds first: `split.sums_bound`), the rest of the list's plus the move's."""
     used: dict[str, int] = {}
     blocks: dict[str, int] = {}
     for o in options:
         used[o.chip] = used.get(o.chip, 0) + o.chips
         blocks[o.chip] = blocks.get(o.chip, 0) + 1
-    speed, fill, p = (sum(f(o) for o in options) for f in (lambda o: o.speed, lambda o: o.stages * o.fill,
-                                                              lambda o: o.stages))
     for i, o in enumerate(options):
         head, tail = options[:i], options[i + 1:]
         per_stage = o.data * o.tensor
-        rest_speed, rest_fill, rest_p = speed - o.speed, fill - o.stages * o.fill, p - o.stages
+        rest = head + tail
+        rest_speed, rest_fill, rest_p, rest_cheapest, rest_inv, rest_tail = list_sums(rest)  # (for `hopeless`)
         if o.stages > 1:
             yield head + (dataclasses.replace(o, stages=o.stages - 1),) + tail
         if per_stage <= counts[o.chip] - used[o.chip]:
             yield head + (dataclasses.replace(o, stages=o.stages + 1),) + tail
         if len(options) > 1:
-            rest = head + tail
             yield rest
             # the block elsewhere in the pipeline (a type may run at both ends)
             for j in range(len(rest) + 1):
@@ -109,11 +107,16 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                                  and s.recompute != o.recompute]) if keep else [o]:
                     kept = (dataclasses.replace(r, stages=keep),) if keep else ()
                     kept_speed, kept_fill = rest_speed + keep / r.layer_s, rest_fill + keep * r.fill
+                    kept_cheapest = min(rest_cheapest, r.fill) if keep else rest_cheapest
+                    kept_inv = rest_inv + per_tail(r, keep) if keep else rest_inv
+                    kept_tail = max(rest_tail, r.tail1) if keep else rest_tail
                     for s in shapes.get(chip, ()):
                         if chip == o.chip and s.shape in (o.shape, r.shape):
                             continue
+                        cheapest, tail_max = min(kept_cheapest, s.fill), max(kept_tail, s.tail1)
                         for k in range(1, min(room // (s.data * s.tensor), n_layers - rest_p - keep) + 1):
-                            if hopeless(kept_speed + k / s.layer_s, kept_fill + k * s.fill):
+                            if hopeless(ListSums(kept_speed + k / s.layer_s, kept_fill + k * s.fill, rest_p + keep + k,
+                                                 cheapest, kept_inv + per_tail(s, k), tail_max)):
                                 continue
                             extra = (dataclasses.replace(s, stages=k),)
                             if side >= 0:
@@ -204,7 +207,7 @@ def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: 
         tried = itertools.chain(
             ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, shapes.every(b2))] if x),
             ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L,
-                                   lambda speed, fill: balance_bound(weight, L, speed, fill) >= top.bound)))
+                                   lambda sums: sums_bound(weight, L, sums) >= top.bound)))
         best = top.bound
         for n, (b2, x) in enumerate(tried):
             if n % 256 == 0 and time.perf_counter() > deadline:

@@ -8,7 +8,7 @@ import dataclasses
 import heapq
 import itertools
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -367,8 +367,17 @@ def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | 
 def _tail_floor(chosen: Sequence[Option], L: int) -> float:
     """A lower bound on the tail of every split of a stage list: every stage holds a layer,
     and with each tail_i * l_i <= X the stages hold at most X * sum_i 1 / tail_i layers."""
-    inv = sum(o.stages / o.tail1 if o.tail1 > 0 else math.inf for o in chosen)
-    return max(max(o.tail1 for o in chosen), L / inv)
+    return tail_bound(L, sum(per_tail(o, o.stages) for o in chosen), max(o.tail1 for o in chosen))
+
+
+def per_tail(o: Option, k: int) -> float:
+    """k stages of `o`'s shape in `tail_bound`'s sum: k / tail1 (inf where tail1 is 0)."""
+    return k / o.tail1 if o.tail1 > 0 else math.inf
+
+
+def tail_bound(L: int, inv_tail: float, tail_max: float) -> float:
+    """`_tail_floor` from its sums: of `per_tail` over the stages, and their largest tail1."""
+    return max(tail_max, L / inv_tail)
 
 
 _ROUND = 1 - 1e-9  # the bounds' margin for the rounding of the sums they bound
@@ -549,11 +558,33 @@ class OutOfTime(Exception):
 
 
 
-def balance_bound(weight: float, L: int, speed: float, fill: float) -> float:
-    """The cheapest bound on a stage list's time, from its stages' summed `Option.speed` and
-    `Option.fill` (one layer each): the bottleneck is at least the continuous balance
-    L / speed, weighted as the steady state, and every stage runs a layer in the fill."""
-    return weight * L / speed + fill
+class ListSums(NamedTuple):
+    """Sums over a stage list's stages, all `sums_bound` needs (`list_sums`; the local search
+    adds a move's stages to the rest of a list's without building the list)."""
+
+    speed: float  # of Option.speed: layers per second at balance
+    fill: float  # of Option.fill: one layer a stage in the fill
+    stages: int
+    cheapest: float  # the least Option.fill of a stage
+    inv_tail: float  # of `per_tail`
+    tail_max: float  # the largest Option.tail1
+
+
+def list_sums(chosen: Sequence[Option]) -> ListSums:
+    """The sums of a stage list (of none: zeros, the cheapest fill inf)."""
+    return ListSums(sum(o.speed for o in chosen), sum(o.stages * o.fill for o in chosen),
+                    sum(o.stages for o in chosen), min((o.fill for o in chosen), default=math.inf),
+                    sum(per_tail(o, o.stages) for o in chosen), max((o.tail1 for o in chosen), default=0.0))
+
+
+def sums_bound(weight: float, L: int, sums: ListSums) -> float:
+    """The cheapest bound on a stage list's time, from sums over its stages: the bottleneck
+    is at least the continuous balance L / speed, weighted as the steady state; every stage
+    runs a layer in the fill, and the L - p layers beyond those at least at the cheapest
+    stage's fill; the tail is at least `_tail_floor`. (Caps, sends and end terms left out:
+    `list_may_beat` weighs them, dearer, for the lists this leaves.)"""
+    return (weight * L / sums.speed + sums.fill + max(L - sums.stages, 0) * sums.cheapest
+            + tail_bound(L, sums.inv_tail, sums.tail_max))
 
 
 def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: SearchStats) -> bool:
@@ -563,7 +594,7 @@ def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: Se
     if p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
         return False
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
-    if balance_bound(weight, L, sum(o.speed for o in chosen), sum(o.stages * o.fill for o in chosen)) >= top.bound:
+    if sums_bound(weight, L, list_sums(chosen)) >= top.bound:
         return False
     if not list_may_beat(ctx, b, chosen, top.bound):
         return False
