@@ -232,6 +232,32 @@ def test_the_exact_search_extends_to_every_schedule(case, seq, batch, schedule):
     assert fast_stats.proved_optimal
 
 
+def test_auto_computes_each_stage_term_once_for_all_its_schedules(monkeypatch):
+    """A stage's terms depend on its micro-batches in flight and deferred gradients, not on
+    the schedule: under auto the schedules' searches share one cache (`Context.sharing_terms`),
+    each term computed once, and the plan is the one its schedule alone gives."""
+    from h2jax.planner import cost_model
+
+    a = ChipType("a", "cpu", 0.05, 1.0, 2, 50.0, 2.0, "t")
+    b = ChipType("b", "cpu", 0.2, 0.3, 4, 5.0, 0.5, "t")
+    cluster = Cluster((ChipGroup(a, 4), ChipGroup(b, 4)))
+    real, made = cost_model.stage_terms, []
+
+    def counted(*args, **kwargs):
+        made.append((args[2], args[3].name, *args[4:10], args[12:]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cost_model, "stage_terms", counted)
+    (best,), stats = top_k(cluster, "tiny", 32, 8, schedule="auto")
+    assert made and len(made) == len(set(made))
+    assert len(stats.schedule_times) + len(stats.schedule_bounds) >= 4  # (every schedule searched)
+    monkeypatch.setattr(cost_model, "stage_terms", real)
+    (alone,), _ = top_k(cluster, "tiny", 32, 8, schedule=best.schedule, virtual_stages=best.virtual_stages if best.virtual_stages > 1 else None)
+    assert alone.time_s == pytest.approx(best.time_s, rel=1e-12)
+    with pytest.raises(ValueError, match="share no stage terms"):
+        make_context(cluster, "tiny", 32, 8).sharing_terms(make_context(cluster, "tiny", 64, 8))
+
+
 def test_auto_searches_every_schedule_and_reports_the_winner():
     from h2jax.planner import plan_cluster
 

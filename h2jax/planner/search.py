@@ -312,7 +312,7 @@ def top_k(
         try:
             one = _search_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
                               micro_batches, recompute, options, share(idx, len(runs)), mixed_shapes,
-                              best_so_far.bound)
+                              best_so_far.bound, searched[0].ctx if searched else None)
         except PlannerError as e:
             errors.append(e)
             continue
@@ -411,12 +411,15 @@ class _Searched:
 
 def _search_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
-    options, time_limit_s, mixed_shapes=False, cutoff=math.inf,
+    options, time_limit_s, mixed_shapes=False, cutoff=math.inf, terms_of=None,
 ) -> _Searched:
     """One schedule's exact search (and, with `mixed_shapes`, the local search over two shapes
     from its best one-shape lists); with a `cutoff`, only for plans faster than it (none found:
-    `found` empty, `stats.lower_bound_s` at least the cutoff where the search finished)."""
+    `found` empty, `stats.lower_bound_s` at least the cutoff where the search finished).
+    `terms_of`: another schedule's context of the same search, whose stage terms it shares."""
     ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
+    if terms_of is not None:
+        ctx = ctx.sharing_terms(terms_of)
     mbs = micro_batches_of(global_batch, micro_batches)
     stats = SearchStats()
     t0 = time.perf_counter()

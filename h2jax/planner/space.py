@@ -198,6 +198,15 @@ class Context:
     def sched(self) -> Schedule:
         return get_schedule(self.schedule)
 
+    def sharing_terms(self, other: "Context") -> "Context":
+        """This context with `other`'s caches of stage terms and sends (of the same cluster,
+        model, profile and cost options, under another schedule: a stage's terms depend on
+        its micro-batches in flight and deferred gradients, given, not on the schedule)."""
+        same = (self.model, self.seq_len, self.chips, self.profile, self.options)
+        if same != (other.model, other.seq_len, other.chips, other.profile, other.options):
+            raise ValueError("contexts of different clusters, models or costs share no stage terms")
+        return dataclasses.replace(self, _terms=other._terms, _sends=other._sends)
+
     def holds(self, i: int, p: int, m: int) -> tuple[float, int]:
         """(in flight, deferred) of position i of p under the schedule (the memory model's)."""
         return cm.memory_holds(self.schedule, i, p, m, self.v)
