@@ -54,7 +54,7 @@ def in_space(options: Sequence[Option], counts: Mapping[str, int]) -> bool:
 
 def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
           counts: Mapping[str, int], n_layers: int,
-          hopeless: Callable[[ListSums], bool] = lambda sums: False) -> Iterator[tuple[Option, ...]]:
+          hopeless: Callable[[ListSums], np.ndarray] | None = None) -> Iterator[tuple[Option, ...]]:
     """Stage lists one move from `options` (`in_space` may still reject some): a block one
     stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
     their mesh with their recompute policy or another) given to k stages of another shape of
@@ -63,7 +63,8 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
     stages on its shape, taken out and put in any other place of the pipeline (a type's two
     blocks may then sit apart, e.g. at both ends, another type between). A split is not made when
     `hopeless(sums)` says so of its stages' sums (`split.ListSums`, what `split.solve`
-    bounds first: `split.sums_bound`), the rest of the list's plus the move's."""
+    bounds first: `split.sums_bound`), the rest of the list's plus the move's: asked once per
+    new block's shape, of arrays over its numbers of stages, it answers per number."""
     used: dict[str, int] = {}
     blocks: dict[str, int] = {}
     for o in options:
@@ -113,11 +114,12 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                     for s in shapes.get(chip, ()):
                         if chip == o.chip and s.shape in (o.shape, r.shape):
                             continue
-                        cheapest, tail_max = min(kept_cheapest, s.fill), max(kept_tail, s.tail1)
-                        for k in range(1, min(room // (s.data * s.tensor), n_layers - rest_p - keep) + 1):
-                            if hopeless(ListSums(kept_speed + k / s.layer_s, kept_fill + k * s.fill, rest_p + keep + k,
-                                                 cheapest, kept_inv + per_tail(s, k), tail_max)):
-                                continue
+                        ks = np.arange(1, min(room // (s.data * s.tensor), n_layers - rest_p - keep) + 1)
+                        if hopeless is not None and len(ks):  # (the sums of every k at once)
+                            ks = ks[~hopeless(ListSums(kept_speed + ks / s.layer_s, kept_fill + ks * s.fill,
+                                                       rest_p + keep + ks, min(kept_cheapest, s.fill),
+                                                       kept_inv + per_tail(s, ks), max(kept_tail, s.tail1)))]
+                        for k in ks.tolist():
                             extra = (dataclasses.replace(s, stages=k),)
                             if side >= 0:
                                 yield head + kept + extra + tail

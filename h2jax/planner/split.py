@@ -367,7 +367,7 @@ def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | 
 def _tail_floor(chosen: Sequence[Option], L: int) -> float:
     """A lower bound on the tail of every split of a stage list: every stage holds a layer,
     and with each tail_i * l_i <= X the stages hold at most X * sum_i 1 / tail_i layers."""
-    return tail_bound(L, sum(per_tail(o, o.stages) for o in chosen), max(o.tail1 for o in chosen))
+    return float(tail_bound(L, sum(per_tail(o, o.stages) for o in chosen), max(o.tail1 for o in chosen)))
 
 
 def per_tail(o: Option, k: int) -> float:
@@ -376,8 +376,9 @@ def per_tail(o: Option, k: int) -> float:
 
 
 def tail_bound(L: int, inv_tail: float, tail_max: float) -> float:
-    """`_tail_floor` from its sums: of `per_tail` over the stages, and their largest tail1."""
-    return max(tail_max, L / inv_tail)
+    """`_tail_floor` from its sums: of `per_tail` over the stages, and their largest tail1
+    (elementwise for arrays)."""
+    return np.maximum(tail_max, L / inv_tail)
 
 
 _ROUND = 1 - 1e-9  # the bounds' margin for the rounding of the sums they bound
@@ -582,8 +583,9 @@ def sums_bound(weight: float, L: int, sums: ListSums) -> float:
     is at least the continuous balance L / speed, weighted as the steady state; every stage
     runs a layer in the fill, and the L - p layers beyond those at least at the cheapest
     stage's fill; the tail is at least `_tail_floor`. (Caps, sends and end terms left out:
-    `list_may_beat` weighs them, dearer, for the lists this leaves.)"""
-    return (weight * L / sums.speed + sums.fill + max(L - sums.stages, 0) * sums.cheapest
+    `list_may_beat` weighs them, dearer, for the lists this leaves.) Elementwise for sums of
+    arrays (the local search's one move at every number of stages)."""
+    return (weight * L / sums.speed + sums.fill + np.maximum(L - sums.stages, 0) * sums.cheapest
             + tail_bound(L, sums.inv_tail, sums.tail_max))
 
 
