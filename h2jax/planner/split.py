@@ -422,13 +422,24 @@ def _least(ctx: Context, b: int, chosen: Sequence[Option], parts: _ListParts, bo
     if not ok.any():
         return bound
     V, U = V[ok], U[:, ok]
-    # the fill: cheapest stages first, each from one layer up to its cap
+    # fill(V) and tail(V) only fall as V grows (its caps u(V) rise): at the largest V, beside
+    # the weighted least one, they bound every V's sum from below. Nearly every list the local
+    # search asks about that gets this far ends here, without the fill and tail at every V.
+    last = U[:, -1:]
+    if (parts.weight * max(float(V[0]), parts.floor) + _fill_within(parts, last, L)[0]
+            + _least_tail(tl, te, caps, groups, last, L)[0] + parts.fill_end) * _ROUND >= bound:
+        return bound
+    fill, tail = _fill_within(parts, U, L), _least_tail(tl, te, caps, groups, U, L)
+    return float(((parts.weight * np.maximum(V, parts.floor) + fill + tail).min() + parts.fill_end) * _ROUND)
+
+
+def _fill_within(parts: _ListParts, U: np.ndarray, L: int) -> np.ndarray:
+    """Per column of U (each stage's layer cap), the fill's per-layer part of the cheapest
+    split within it: cheapest stages first, each from one layer up to its cap."""
     order = np.argsort(parts.cf, kind="stable")
     extra = U[order] - 1.0
     before = np.cumsum(extra, axis=0) - extra
-    fill = parts.cf.sum() + parts.cf[order] @ np.clip(L - len(caps) - before, 0.0, extra)
-    tail = _least_tail(tl, te, caps, groups, U, L)
-    return float(((parts.weight * np.maximum(V, parts.floor) + fill + tail).min() + parts.fill_end) * _ROUND)
+    return parts.cf.sum() + parts.cf[order] @ np.clip(L - len(parts.caps) - before, 0.0, extra)
 
 
 def _runs(*per_stage: np.ndarray) -> list[tuple[int, int]]:
