@@ -370,8 +370,9 @@ def _tail_floor(chosen: Sequence[Option], L: int) -> float:
     return float(tail_bound(L, sum(per_tail(o, o.stages) for o in chosen), max(o.tail1 for o in chosen)))
 
 
-def per_tail(o: Option, k: int) -> float:
-    """k stages of `o`'s shape in `tail_bound`'s sum: k / tail1 (inf where tail1 is 0)."""
+def per_tail(o: Option, k):
+    """k stages of `o`'s shape in `tail_bound`'s sum: k / tail1 (inf where tail1 is 0;
+    elementwise for an array k)."""
     return k / o.tail1 if o.tail1 > 0 else math.inf
 
 
