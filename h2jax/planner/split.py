@@ -501,7 +501,7 @@ def _may_hold(ctx: Context, b: int, chosen: Sequence[Option], bound: float) -> b
     (a few Python numbers, not the list's arrays; `_block_relaxation`). Its fill and tail
     are no larger, so the largest bottleneck they leave under `bound` is no smaller, and the
     layers the stages hold there no fewer: where even these are short of L, `_least`'s test
-    fails too (on 2,432 chips ~97 % of the local search's lists end here)."""
+    fails too (on 2,432 chips most of the local search's lists that `sums_bound` leaves end here)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
     if weight <= 0:
