@@ -252,7 +252,8 @@ def test_auto_computes_each_stage_term_once_for_all_its_schedules(monkeypatch):
     assert made and len(made) == len(set(made))
     assert len(stats.schedule_times) + len(stats.schedule_bounds) >= 4  # (every schedule searched)
     monkeypatch.setattr(cost_model, "stage_terms", real)
-    (alone,), _ = top_k(cluster, "tiny", 32, 8, schedule=best.schedule, virtual_stages=best.virtual_stages if best.virtual_stages > 1 else None)
+    v = best.virtual_stages if best.virtual_stages > 1 else None
+    (alone,), _ = top_k(cluster, "tiny", 32, 8, schedule=best.schedule, virtual_stages=v)
     assert alone.time_s == pytest.approx(best.time_s, rel=1e-12)
     with pytest.raises(ValueError, match="share no stage terms"):
         make_context(cluster, "tiny", 32, 8).sharing_terms(make_context(cluster, "tiny", 64, 8))
