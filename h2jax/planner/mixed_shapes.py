@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from h2jax.planner.space import Candidate, Context, Option, SearchStats
-from h2jax.planner.split import ListSums, TopK, list_sums, per_tail, solve, sums_bound
+from h2jax.planner.split import ListSums, TopK, list_sums, solve, sums_bound
 
 MAX_BLOCKS_PER_TYPE = 2
 
@@ -74,7 +74,6 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
         head, tail = options[:i], options[i + 1:]
         per_stage = o.data * o.tensor
         rest = head + tail
-        rest_speed, rest_fill, rest_p, rest_cheapest, rest_inv, rest_tail = list_sums(rest)  # (for `hopeless`)
         if o.stages > 1:
             yield head + (dataclasses.replace(o, stages=o.stages - 1),) + tail
         if per_stage <= counts[o.chip] - used[o.chip]:
@@ -107,18 +106,13 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                 for r in ([o] + [s for s in shapes.get(o.chip, ()) if s.data == o.data and s.tensor == o.tensor
                                  and s.recompute != o.recompute]) if keep else [o]:
                     kept = (dataclasses.replace(r, stages=keep),) if keep else ()
-                    kept_speed, kept_fill = rest_speed + keep / r.layer_s, rest_fill + keep * r.fill
-                    kept_cheapest = min(rest_cheapest, r.fill) if keep else rest_cheapest
-                    kept_inv = rest_inv + per_tail(r, keep) if keep else rest_inv
-                    kept_tail = max(rest_tail, r.tail1) if keep else rest_tail
+                    others = list_sums(rest + kept)  # the stages beside the new block's
                     for s in shapes.get(chip, ()):
                         if chip == o.chip and s.shape in (o.shape, r.shape):
                             continue
-                        ks = np.arange(1, min(room // (s.data * s.tensor), n_layers - rest_p - keep) + 1)
+                        ks = np.arange(1, min(room // (s.data * s.tensor), n_layers - others.stages) + 1)
                         if hopeless is not None and len(ks):  # (the sums of every k at once)
-                            ks = ks[~hopeless(ListSums(kept_speed + ks / s.layer_s, kept_fill + ks * s.fill,
-                                                       rest_p + keep + ks, min(kept_cheapest, s.fill),
-                                                       kept_inv + per_tail(s, ks), max(kept_tail, s.tail1)))]
+                            ks = ks[~hopeless(others.plus(s, ks))]
                         for k in ks.tolist():
                             extra = (dataclasses.replace(s, stages=k),)
                             if side >= 0:

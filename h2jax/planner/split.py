@@ -582,6 +582,11 @@ class ListSums(NamedTuple):
     inv_tail: float  # of `per_tail`
     tail_max: float  # the largest Option.tail1
 
+    def plus(self, o: Option, k) -> "ListSums":
+        """These sums with k more stages of `o`'s shape (elementwise for an array k)."""
+        return ListSums(self.speed + k / o.layer_s, self.fill + k * o.fill, self.stages + k,
+                        min(self.cheapest, o.fill), self.inv_tail + per_tail(o, k), max(self.tail_max, o.tail1))
+
 
 def list_sums(chosen: Sequence[Option]) -> ListSums:
     """The sums of a stage list (of none: zeros, the cheapest fill inf)."""
@@ -604,11 +609,11 @@ def sums_bound(weight: float, L: int, sums: ListSums) -> float:
 def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: SearchStats) -> bool:
     """Solve one stage list's layer split exactly and offer it; True if it entered the top k."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
-    p = sum(o.stages for o in chosen)
-    if p > L or ctx.sched.unsupported(p, m, ctx.v) is not None:
+    sums = list_sums(chosen)
+    if sums.stages > L or ctx.sched.unsupported(sums.stages, m, ctx.v) is not None:
         return False
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
-    if sums_bound(weight, L, list_sums(chosen)) >= top.bound:
+    if sums_bound(weight, L, sums) >= top.bound:
         return False
     if not list_may_beat(ctx, b, chosen, top.bound):
         return False
