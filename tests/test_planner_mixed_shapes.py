@@ -7,6 +7,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from h2jax.cli import main as cli_main
@@ -16,7 +17,7 @@ from h2jax.planner.cost_model import CostOptions
 from h2jax.planner.mixed_shapes import in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
 from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
-from h2jax.planner.split import list_sums, sums_bound
+from h2jax.planner.split import Beside, _may_hold, list_bound, list_sums, sums_bound
 
 REPO = Path(__file__).resolve().parent.parent
 C64 = REPO / "plans" / "cluster-64.toml"
@@ -146,10 +147,11 @@ def test_moves_are_one_step_and_reach_every_split_of_a_block():
         assert sum(before.get(c) != after.get(c) for c in set(before) | set(after)) <= 2
 
 
-def test_moves_skip_only_the_lists_whose_sums_cannot_beat_the_best():
-    """`moves` weighs a new block's lists by the sums of their stages (`split.sums_bound`)
-    before it builds them: every list it no longer yields once told a time to beat has a bound
-    of at least that time, and it skips some."""
+def test_moves_skip_only_the_lists_that_cannot_beat_the_best():
+    """`moves` weighs a new block's lists before it builds them (`split.Beside.cannot_beat`):
+    every list it no longer yields once told a time to beat fails a test `split.solve` asks
+    of it (its sums bound, `split.sums_bound`, reaches that time, or `split._may_hold` rejects
+    it), and the memory caps skip lists the sums bound alone would build."""
     ctx = make_context(load_cluster(C64), "llama-100b", 4096, 2048)
     (best,), _ = top_k(load_cluster(C64), "llama-100b", 4096, 2048)
     b, L = best.micro_batch, ctx.model.n_layers
@@ -159,11 +161,51 @@ def test_moves_skip_only_the_lists_whose_sums_cannot_beat_the_best():
         for o in opts:
             shapes.setdefault(o.chip, []).append(o)
     start = merged(best.options)
-    every = set(moves(start, shapes, ctx.counts, L))
-    kept = set(moves(start, shapes, ctx.counts, L, lambda sums: sums_bound(weight, L, sums) >= best.time_s))
-    assert kept <= every and len(kept) < len(every)
-    for x in every - kept:
-        assert sums_bound(weight, L, list_sums(x)) >= best.time_s * (1 - 1e-12)
+    for beat in (best.time_s, best.time_s * 1.05):
+        every = set(moves(start, shapes, ctx.counts, L))
+        by_sums = set(moves(start, shapes, ctx.counts, L,
+                            lambda beside, s, ks: sums_bound(weight, L, beside.sums.plus(s, ks)) >= beat))
+        kept = set(moves(start, shapes, ctx.counts, L,
+                         lambda beside, s, ks: beside.cannot_beat(weight, L, s, ks, beat)))
+        assert kept <= by_sums <= every and len(kept) < len(by_sums) < len(every)
+        for x in every - kept:
+            assert sums_bound(weight, L, list_sums(x)) >= beat * (1 - 1e-12) or not _may_hold(ctx, b, x, beat)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_a_new_blocks_cheap_test_rejects_only_what_may_hold_rejects(schedule):
+    """`split.Beside.cannot_beat` over random lists of random small clusters, every number of
+    new stages at once: where it says no list of the blocks and k new stages can beat a time,
+    the list with the new block in any place fails `sums_bound` or `_may_hold` at that time
+    (the memory caps, each stage's `cap1` and at most L - p + 1 layers, are a relaxation of
+    `_may_hold`'s); and the caps reject some lists the sums bound alone does not."""
+    rng = random.Random(7)
+    by_caps = 0
+    for _ in range(25):
+        cluster = small_cluster(rng)
+        ctx = make_context(cluster, "tiny", 128, 8, schedule)
+        L = ctx.model.n_layers
+        for b in divisors(8):
+            shapes = [o for opts in ctx.type_shapes(b, prune_unfit=True) for o in opts]
+            if not shapes:
+                continue
+            weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
+            for _ in range(12):
+                beside = [dataclasses.replace(o, stages=rng.randint(1, 2)) for o in rng.sample(shapes, rng.randint(0, 2))]
+                new = rng.choice(shapes)
+                ks = np.arange(1, L - sum(o.stages for o in beside) + 1)
+                if not len(ks):
+                    continue
+                one = list_bound(ctx, b, beside + [dataclasses.replace(new, stages=int(ks[0]))])
+                beat = (one if math.isfinite(one) else 1.0) * rng.choice([0.7, 1.0, 1.3])
+                no = Beside(beside).cannot_beat(weight, L, new, ks, beat)
+                for k, rejected in zip(ks.tolist(), no.tolist()):
+                    lists = [beside[:j] + [dataclasses.replace(new, stages=k)] + beside[j:] for j in range(len(beside) + 1)]
+                    by_sum = sums_bound(weight, L, list_sums(lists[0])) >= beat
+                    if rejected:
+                        by_caps += not by_sum
+                        assert all(by_sum or not _may_hold(ctx, b, x, beat) for x in lists)
+    assert by_caps > 0
 
 
 def test_a_move_puts_one_block_anywhere_else_in_the_pipeline():

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from h2jax.planner.space import Candidate, Context, Option, SearchStats
-from h2jax.planner.split import ListSums, TopK, list_sums, solve, sums_bound
+from h2jax.planner.split import Beside, TopK, solve
 
 MAX_BLOCKS_PER_TYPE = 2
 
@@ -54,7 +54,8 @@ def in_space(options: Sequence[Option], counts: Mapping[str, int]) -> bool:
 
 def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
           counts: Mapping[str, int], n_layers: int,
-          hopeless: Callable[[ListSums], np.ndarray] | None = None) -> Iterator[tuple[Option, ...]]:
+          hopeless: Callable[[Beside, Option, np.ndarray], np.ndarray] | None = None,
+          ) -> Iterator[tuple[Option, ...]]:
     """Stage lists one move from `options` (`in_space` may still reject some): a block one
     stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
     their mesh with their recompute policy or another) given to k stages of another shape of
@@ -62,9 +63,9 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
     neighbour (the chips permitting, at most `n_layers` stages); or the block, or some of its
     stages on its shape, taken out and put in any other place of the pipeline (a type's two
     blocks may then sit apart, e.g. at both ends, another type between). A split is not made when
-    `hopeless(sums)` says so of its stages' sums (`split.ListSums`, what `split.solve`
-    bounds first: `split.sums_bound`), the rest of the list's plus the move's: asked once per
-    new block's shape, of arrays over its numbers of stages, it answers per number."""
+    `hopeless(beside, shape, ks)` says so: asked once per new block's shape, of the list's
+    other blocks (`split.Beside`) and an array of the new block's numbers of stages, it
+    answers per number (`split.Beside.cannot_beat`: the bounds `split.solve` asks first)."""
     used: dict[str, int] = {}
     blocks: dict[str, int] = {}
     for o in options:
@@ -106,13 +107,13 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                 for r in ([o] + [s for s in shapes.get(o.chip, ()) if s.data == o.data and s.tensor == o.tensor
                                  and s.recompute != o.recompute]) if keep else [o]:
                     kept = (dataclasses.replace(r, stages=keep),) if keep else ()
-                    others = list_sums(rest + kept)  # the stages beside the new block's
+                    others = Beside(rest + kept)  # the stages beside the new block's
                     for s in shapes.get(chip, ()):
                         if chip == o.chip and s.shape in (o.shape, r.shape):
                             continue
-                        ks = np.arange(1, min(room // (s.data * s.tensor), n_layers - others.stages) + 1)
-                        if hopeless is not None and len(ks):  # (the sums of every k at once)
-                            ks = ks[~hopeless(others.plus(s, ks))]
+                        ks = np.arange(1, min(room // (s.data * s.tensor), n_layers - others.sums.stages) + 1)
+                        if hopeless is not None and len(ks):  # (every k at once)
+                            ks = ks[~hopeless(others, s, ks)]
                         for k in ks.tolist():
                             extra = (dataclasses.replace(s, stages=k),)
                             if side >= 0:
@@ -203,7 +204,7 @@ def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: 
         tried = itertools.chain(
             ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, shapes.every(b2))] if x),
             ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L,
-                                   lambda sums: sums_bound(weight, L, sums) >= top.bound)))
+                                   lambda beside, s, ks: beside.cannot_beat(weight, L, s, ks, top.bound))))
         best = top.bound
         for n, (b2, x) in enumerate(tried):
             if n % 256 == 0 and time.perf_counter() > deadline:

@@ -606,6 +606,52 @@ def sums_bound(weight: float, L: int, sums: ListSums) -> float:
             + tail_bound(L, sums.inv_tail, sums.tail_max))
 
 
+class Beside:
+    """The blocks beside a new block of the local search's moves (the rest of a stage list),
+    made once for every shape and number of stages the new block may take: their sums
+    (`ListSums`) and, per block, its stages, `Option.cap1`, per-layer time and fill, all
+    `cannot_beat` weighs."""
+
+    def __init__(self, blocks: Sequence[Option]) -> None:
+        self.sums = list_sums(blocks)
+        self.stages, self.cap1, self.layer_s = (
+            np.array([f(o) for o in blocks], dtype=float).reshape(-1, 1)
+            for f in (lambda o: o.stages, lambda o: o.cap1, lambda o: o.layer_s))
+        self.fill = np.array([o.fill for o in blocks], dtype=float)
+
+    def cannot_beat(self, weight: float, L: int, new: Option, ks: np.ndarray, bound: float) -> np.ndarray:
+        """Per number of stages k in `ks`, whether no list of these blocks and k stages of
+        `new`'s shape, in any order, can beat `bound`: where `sums_bound` reaches it, or where
+        `_may_hold` would reject every such list with each stage's cap taken as its shape's
+        `cap1` (the most layers it holds with one micro-batch in flight, at least its block's
+        largest cap in any list: a stage holds at least one micro-batch in flight). Larger caps
+        leave a fill no dearer and hold no fewer layers at a bottleneck, so a list this rejects
+        `_may_hold` rejects too, and `list_may_beat` after it (on 2,432 chips nearly all the
+        lists `_may_hold` rejected in the climb, without building them)."""
+        sums = self.sums.plus(new, ks)
+        out = sums_bound(weight, L, sums) >= bound
+        if weight <= 0 or not math.isfinite(bound) or out.all():
+            return out
+        live = ~out
+        k, p = ks[live].astype(float), sums.stages[live]
+        most_per_stage = L - p + 1.0
+        caps, cap_new = np.minimum(self.cap1, most_per_stage), np.minimum(new.cap1, most_per_stage)
+        # `_block_relaxation`'s rest: the tail floor, a layer a stage in the fill, and the L - p
+        # layers beyond those on the cheapest blocks first, within the caps (`_fill_within`)
+        fill = np.append(self.fill, new.fill)
+        order = np.argsort(fill, kind="stable")
+        room = np.vstack([self.stages * (caps - 1.0), k * (cap_new - 1.0)]).clip(min=0.0)[order]
+        before = np.cumsum(room, axis=0) - room
+        inv_tail = sums.inv_tail[live] if np.ndim(sums.inv_tail) else sums.inv_tail
+        rest = (tail_bound(L, inv_tail, sums.tail_max) + sums.fill[live]
+                + fill[order] @ np.minimum(np.maximum(L - p - before, 0.0), room))
+        most = (bound / _ROUND - rest * _ROUND) / weight
+        held = ((self.stages * np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)).sum(axis=0)
+                + k * np.minimum(cap_new, np.floor(most / new.layer_s + 1e-9)).clip(min=0.0))
+        out[live] = np.isfinite(most) & (held < L)
+        return out
+
+
 def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: SearchStats) -> bool:
     """Solve one stage list's layer split exactly and offer it; True if it entered the top k."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
