@@ -614,9 +614,9 @@ class Beside:
 
     def __init__(self, blocks: Sequence[Option]) -> None:
         self.sums = list_sums(blocks)
-        self.stages, self.cap1, self.layer_s = (
-            np.array([f(o) for o in blocks], dtype=float).reshape(-1, 1)
-            for f in (lambda o: o.stages, lambda o: o.cap1, lambda o: o.layer_s))
+        self.stages = _column([o.stages for o in blocks])
+        self.cap1 = _column([o.cap1 for o in blocks])
+        self.layer_s = _column([o.layer_s for o in blocks])
         self.fill = np.array([o.fill for o in blocks], dtype=float)
 
     def cannot_beat(self, weight: float, L: int, new: Option, ks: np.ndarray, bound: float) -> np.ndarray:
@@ -650,6 +650,11 @@ class Beside:
                 + k * np.minimum(cap_new, np.floor(most / new.layer_s + 1e-9)).clip(min=0.0))
         out[live] = np.isfinite(most) & (held < L)
         return out
+
+
+def _column(values: Sequence[float]) -> np.ndarray:
+    """(n, 1) floats: one row a block, against a row of numbers of stages."""
+    return np.array(values, dtype=float).reshape(-1, 1)
 
 
 def solve(ctx: Context, b: int, chosen: Sequence[Option], top: "TopK", stats: SearchStats) -> bool:
