@@ -172,8 +172,8 @@ def test_moves_skip_only_the_lists_that_cannot_beat_the_best():
             assert sums_bound(weight, L, list_sums(x)) >= beat * (1 - 1e-12) or not _may_hold(ctx, b, x, beat)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
-def test_a_new_blocks_cheap_test_rejects_only_what_may_hold_rejects(schedule):
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_a_new_blocks_cheap_test_rejects_only_what_may_hold_rejects(schedule, v):
     """`split.Beside.cannot_beat` over random lists of random small clusters, every number of
     new stages at once: where it says no list of the blocks and k new stages can beat a time,
     the list with the new block in any place fails `sums_bound` or `_may_hold` at that time
@@ -183,7 +183,7 @@ def test_a_new_blocks_cheap_test_rejects_only_what_may_hold_rejects(schedule):
     by_caps = 0
     for _ in range(25):
         cluster = small_cluster(rng)
-        ctx = make_context(cluster, "tiny", 128, 8, schedule)
+        ctx = make_context(cluster, "tiny", 128, 8, schedule, v=v)
         L = ctx.model.n_layers
         for b in divisors(8):
             shapes = [o for opts in ctx.type_shapes(b, prune_unfit=True) for o in opts]
