@@ -437,10 +437,16 @@ def _least(ctx: Context, b: int, chosen: Sequence[Option], parts: _ListParts, bo
 def _fill_within(parts: _ListParts, U: np.ndarray, L: int) -> np.ndarray:
     """Per column of U (each stage's layer cap), the fill's per-layer part of the cheapest
     split within it: cheapest stages first, each from one layer up to its cap."""
-    order = np.argsort(parts.cf, kind="stable")
-    extra = U[order] - 1.0
-    before = np.cumsum(extra, axis=0) - extra
-    return parts.cf.sum() + parts.cf[order] @ np.clip(L - len(parts.caps) - before, 0.0, extra)
+    return parts.cf.sum() + _cheapest_extra(parts.cf, U - 1.0, L - len(parts.caps))
+
+
+def _cheapest_extra(fill: np.ndarray, room: np.ndarray, extra) -> np.ndarray:
+    """Per column, the fill of `extra` layers (beyond a layer a stage) put on the rows
+    (stages, or blocks) of least `fill` per layer first, each row up to its `room` (>= 0)."""
+    order = np.argsort(fill, kind="stable")
+    room = room[order]
+    before = np.cumsum(room, axis=0) - room
+    return fill[order] @ np.clip(extra - before, 0.0, room)
 
 
 def _runs(*per_stage: np.ndarray) -> list[tuple[int, int]]:
@@ -637,14 +643,11 @@ class Beside:
         most_per_stage = L - p + 1.0
         caps, cap_new = np.minimum(self.cap1, most_per_stage), np.minimum(new.cap1, most_per_stage)
         # `_block_relaxation`'s rest: the tail floor, a layer a stage in the fill, and the L - p
-        # layers beyond those on the cheapest blocks first, within the caps (`_fill_within`)
-        fill = np.append(self.fill, new.fill)
-        order = np.argsort(fill, kind="stable")
-        room = np.vstack([self.stages * (caps - 1.0), k * (cap_new - 1.0)]).clip(min=0.0)[order]
-        before = np.cumsum(room, axis=0) - room
+        # layers beyond those on the cheapest blocks first, within the caps
+        room = np.vstack([self.stages * (caps - 1.0), k * (cap_new - 1.0)]).clip(min=0.0)
         inv_tail = sums.inv_tail[live] if np.ndim(sums.inv_tail) else sums.inv_tail
         rest = (tail_bound(L, inv_tail, sums.tail_max) + sums.fill[live]
-                + fill[order] @ np.minimum(np.maximum(L - p - before, 0.0), room))
+                + _cheapest_extra(np.append(self.fill, new.fill), room, L - p))
         most = (bound / _ROUND - rest * _ROUND) / weight
         held = ((self.stages * np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)).sum(axis=0)
                 + k * np.minimum(cap_new, np.floor(most / new.layer_s + 1e-9)).clip(min=0.0))
