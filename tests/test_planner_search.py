@@ -117,12 +117,13 @@ def test_a_stage_lists_cheap_bound_never_exceeds_its_best_split(case, seq, batch
                                             ("cluster-768.toml", "gpipe"), ("cluster-64.toml", "interleaved-1f1b")])
 def test_the_per_block_first_test_rejects_only_lists_the_full_bound_rejects(monkeypatch, name, schedule):
     """`split._may_hold` (the per-block relaxation `list_may_beat` asks first) on every list
-    the local search asks about: where it says no, `list_bound`'s own first test says no too
-    (else the search would skip a list that may beat the best), term by term (its fill and
-    tail no larger, the layers it holds at each bottleneck no fewer; each block's largest cap is
-    its stages' largest), and it says no to most. (The local search's moves then weigh a new
-    block by its sums alone, not by its caps too, `split.Beside.cannot_beat`: else they leave
-    out before building them nearly all the lists this rejects.)"""
+    the local search asks about: where it says no, `list_bound` says no too (else the search
+    would skip a list that may beat the best), term by term (at each bottleneck, with each
+    block's cap cut to what it holds there, its fill and tail no larger than the stages', the
+    layers it holds no more; each block's largest cap is its stages' largest), and it says no
+    to most. (The local search's moves then weigh a new block by its sums alone, not by its
+    caps too, `split.Beside.cannot_beat`: else they leave out before building them nearly
+    all the lists this rejects.)"""
     from pathlib import Path
 
     from h2jax.cluster import load_cluster
@@ -130,17 +131,25 @@ def test_the_per_block_first_test_rejects_only_lists_the_full_bound_rejects(monk
 
     real, asked = split._may_hold, []
 
-    def checked(ctx, b, chosen, bound):
-        quick = real(ctx, b, chosen, bound)
+    def checked(ctx, b, chosen, bound, ends=None):
+        quick = real(ctx, b, chosen, bound, ends)
         parts = split._list_parts(ctx, b, chosen)
         full = parts is not None and split._least(ctx, b, chosen, parts, bound) < bound
         where = ([(o.chip, o.stages, o.shape) for o in chosen], b, bound)
         assert quick or not full, where
-        if parts is not None:  # the relaxation, term by term: no more fill and tail, no fewer layers held
-            rest, blocks = split._block_relaxation(ctx, b, chosen)
-            assert rest <= (parts.fill_end + parts.fill0 + parts.tail0) * (1 + 1e-12), where
+        if parts is not None and len(asked) % 3 == 0:  # the relaxation, term by term
+            L = ctx.model.n_layers
+            blocks, ends = split._blocks(ctx, b, chosen), split._list_ends(ctx, b, chosen)
+            assert (ends.floor, ends.fill_end) == (parts.floor, parts.fill_end), where  # the same end terms and sends
+            tl, te = split._tail_terms(ctx, b, chosen, parts)
+            groups = split._runs(parts.c, parts.e, tl, te)
             for x in sorted(set((parts.c * parts.caps + parts.e).tolist()))[::7]:
-                assert split._block_held(blocks, x) >= split._held(parts, x)[0], where
+                U = np.minimum(parts.caps, np.floor((x - parts.e) / parts.c + 1e-9))[:, None]
+                assert split._block_held(blocks, x, ends.e_first, ends.e_last) >= split._held(parts, x)[0], where
+                if U.min() >= 1 and U.sum() >= L:  # a bottleneck whose splits hold the model
+                    stages = split._fill_within(parts, U, L)[0] + split._least_tail(tl, te, parts.caps, groups, U, L)[0]
+                    per_block = split._block_rest(blocks, [blk.holds(x) for blk in blocks], L)
+                    assert per_block is not None and per_block <= stages * (1 + 1e-12), where
         if len(asked) % 10 == 0:  # a block's largest cap, taken at its fewest micro-batches in flight, is its stages' largest
             p, i, m = sum(o.stages for o in chosen), 0, ctx.global_batch // b
             for o, most in zip(chosen, ctx.block_cap_maxima(chosen, m)):
@@ -154,7 +163,7 @@ def test_the_per_block_first_test_rejects_only_lists_the_full_bound_rejects(monk
                         lambda self, weight, L, new, ks, bound: split.sums_bound(weight, L, self.sums.plus(new, ks)) >= bound)
     cluster = load_cluster(Path(__file__).resolve().parent.parent / "plans" / name)
     top_k(cluster, "llama-100b", 4096, 2048, schedule=schedule, mixed_shapes=True)
-    assert len(asked) > 1000 and asked.count(False) > 0.6 * len(asked), (len(asked), asked.count(False))
+    assert len(asked) > 1000 and asked.count(False) > 0.7 * len(asked), (len(asked), asked.count(False))
 
 
 def test_a_stage_lists_bound_weighs_fill_and_tail_at_each_bottleneck():

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from h2jax.planner.space import Candidate, Context, Option, SearchStats
-from h2jax.planner.split import Beside, TopK, solve
+from h2jax.planner.split import Beside, NewShapes, TopK, solve
 
 MAX_BLOCKS_PER_TYPE = 2
 
@@ -54,7 +54,7 @@ def in_space(options: Sequence[Option], counts: Mapping[str, int]) -> bool:
 
 def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
           counts: Mapping[str, int], n_layers: int,
-          hopeless: Callable[[Beside, Option, np.ndarray], np.ndarray] | None = None,
+          hopeless: Callable[[Beside, NewShapes, np.ndarray], np.ndarray] | None = None,
           ) -> Iterator[tuple[Option, ...]]:
     """Stage lists one move from `options` (`in_space` may still reject some): a block one
     stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
@@ -63,14 +63,18 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
     neighbour (the chips permitting, at most `n_layers` stages); or the block, or some of its
     stages on its shape, taken out and put in any other place of the pipeline (a type's two
     blocks may then sit apart, e.g. at both ends, another type between). A split is not made when
-    `hopeless(beside, shape, ks)` says so: asked once per new block's shape, of the list's
-    other blocks (`split.Beside`) and an array of the new block's numbers of stages, it
-    answers per number (`split.Beside.cannot_beat`: the bounds `split.solve` asks first)."""
+    `hopeless(beside, new, ks)` says so: asked once per list of the other blocks
+    (`split.Beside`), of every shape and number of stages the new block may take at once (a
+    column each: the shapes `split.NewShapes`, the numbers the array ks), it answers per
+    column (`split.Beside.cannot_beat`: the bounds `split.solve` asks first)."""
     used: dict[str, int] = {}
     blocks: dict[str, int] = {}
     for o in options:
         used[o.chip] = used.get(o.chip, 0) + o.chips
         blocks[o.chip] = blocks.get(o.chip, 0) + 1
+    shapes = {chip: opts for chip, opts in shapes.items() if opts}
+    columns = {chip: NewShapes.of(opts) for chip, opts in shapes.items()}  # a new block's shapes, `hopeless` weighs
+    per_stage_of = {chip: np.array([s.data * s.tensor for s in opts]) for chip, opts in shapes.items()}
     for i, o in enumerate(options):
         head, tail = options[:i], options[i + 1:]
         per_stage = o.data * o.tensor
@@ -97,7 +101,7 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
         sources = [(o.chip, 0)] + [(options[j].chip, j - i) for j in (i - 1, i + 1)
                                    if 0 <= j < len(options) and options[j].chip != o.chip]
         for chip, side in sources:
-            if blocks[chip] >= MAX_BLOCKS_PER_TYPE and side:
+            if chip not in shapes or (blocks[chip] >= MAX_BLOCKS_PER_TYPE and side):
                 continue
             for keep in range(o.stages + 1):
                 if chip == o.chip and keep and blocks[chip] >= MAX_BLOCKS_PER_TYPE:
@@ -108,18 +112,21 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                                  and s.recompute != o.recompute]) if keep else [o]:
                     kept = (dataclasses.replace(r, stages=keep),) if keep else ()
                     others = Beside(rest + kept)  # the stages beside the new block's
-                    for s in shapes.get(chip, ()):
-                        if chip == o.chip and s.shape in (o.shape, r.shape):
-                            continue
-                        ks = np.arange(1, min(room // (s.data * s.tensor), n_layers - others.sums.stages) + 1)
-                        if hopeless is not None and len(ks):  # (every k at once)
-                            ks = ks[~hopeless(others, s, ks)]
-                        for k in ks.tolist():
-                            extra = (dataclasses.replace(s, stages=k),)
-                            if side >= 0:
-                                yield head + kept + extra + tail
-                            if side <= 0 and kept:
-                                yield head + extra + kept + tail
+                    # every shape of the chip at every number of stages it may take, one column each
+                    most = np.minimum(room // per_stage_of[chip], n_layers - others.sums.stages).clip(min=0)
+                    if chip == o.chip:
+                        most[[s.shape in (o.shape, r.shape) for s in shapes[chip]]] = 0
+                    which = np.repeat(np.arange(len(most)), most)
+                    ks = np.arange(len(which)) - np.repeat(np.cumsum(most) - most, most) + 1
+                    if hopeless is not None and len(ks):  # (all at once)
+                        alive = ~hopeless(others, columns[chip].take(which), ks)
+                        which, ks = which[alive], ks[alive]
+                    for j, k in zip(which.tolist(), ks.tolist()):
+                        extra = (dataclasses.replace(shapes[chip][j], stages=k),)
+                        if side >= 0:
+                            yield head + kept + extra + tail
+                        if side <= 0 and kept:
+                            yield head + extra + kept + tail
 
 
 def undominated(shapes: Sequence[Option], m: int, n_layers: int) -> list[Option]:

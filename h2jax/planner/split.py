@@ -333,34 +333,53 @@ class _ListParts:
     end_tails: tuple[float, float]  # the first and the last stage's tail end terms (embedding, head)
 
 
-def _list_parts(ctx: Context, b: int, chosen: Sequence[Option]) -> _ListParts | None:
+class _Ends(NamedTuple):
+    """What a stage list's bound weighs of its end stages and its sends (`_list_ends`): the
+    same in `_may_hold`'s per-block relaxation and `_list_parts`' per-stage terms."""
+
+    first: cm.StageTerms  # the first stage's terms (with the embedding; the head too if p == 1)
+    last: cm.StageTerms  # the last stage's (with the head)
+    e_first: float  # the steady state's end terms on the first stage
+    e_last: float  # and on the last (0 when the first is the last)
+    floor: float  # the steady state's floor: the largest send
+    fill_end: float  # the fill's terms that no layer count changes: end stages, sends, latencies
+
+
+def _list_ends(ctx: Context, b: int, chosen: Sequence[Option]) -> _Ends:
+    p = sum(o.stages for o in chosen)
+    first = ctx.terms(b, chosen[0], True, p == 1, 1)
+    last = ctx.terms(b, chosen[-1], p == 1, True, 1)
+    g_first = ctx.fill_terms(first, p == 1)[1]  # in the fill
+    g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
+    sends = stage_list_sends(ctx, b, chosen)
+    # (GPipe: max f + max b >= max (f + b), so the same steady-state bound holds)
+    return _Ends(first, last, first.fwd_end + first.bwd_end, 0.0 if p == 1 else last.fwd_end + last.bwd_end,
+                 sends[0] * ctx.sched.closed_form.send_factor(ctx.v), g_first + g_last + 2.0 * sends[1])
+
+
+def _list_parts(ctx: Context, b: int, chosen: Sequence[Option], ends: _Ends | None = None) -> _ListParts | None:
     """`list_bound`'s terms but the tail's per stage (`_tail_terms`: only for the lists that
-    pass the first test), or None when the list cannot hold the model."""
+    pass the first test), or None when the list cannot hold the model (`ends`: the list's
+    `_list_ends`, made here when not given)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     p = sum(o.stages for o in chosen)
     ks = [o.stages for o in chosen]
     caps = np.minimum(ctx.position_caps(chosen, m), L - p + 1)
     if caps.min() < 1 or caps.sum() < L:
         return None
-    first = ctx.terms(b, chosen[0], True, p == 1, 1)
-    last = ctx.terms(b, chosen[-1], p == 1, True, 1)
-    g_first = ctx.fill_terms(first, p == 1)[1]  # in the fill
-    g_last = 0.0 if p == 1 else ctx.fill_terms(last, True)[1]
-    sends = stage_list_sends(ctx, b, chosen)
+    ends = ends or _list_ends(ctx, b, chosen)
     e = np.zeros(p)
-    e[0] += first.fwd_end + first.bwd_end  # in the steady state
-    if p > 1:
-        e[-1] += last.fwd_end + last.bwd_end
-    # (GPipe: max f + max b >= max (f + b), so the same bound holds); the fill: its per-layer
-    # part at least the cheapest split within the memory caps (the cheapest stages filled first)
+    e[0] += ends.e_first  # in the steady state
+    e[-1] += ends.e_last
+    # the fill: its per-layer part at least the cheapest split within the memory caps (the
+    # cheapest stages filled first)
     cf = np.repeat([o.fill for o in chosen], ks)
     layers = _greedy_fill(cf, np.argsort(cf, kind="stable"), caps, L)
     form = ctx.sched.closed_form
     tail0 = _tail_floor(chosen, L)
     return _ListParts(
         caps, np.repeat([o.layer_s for o in chosen], ks), e, cf, form.steady_weight(m, ctx.v),
-        sends[0] * form.send_factor(ctx.v), g_first + g_last + 2.0 * sends[1], float(cf @ layers), tail0,
-        (first.tail_end, last.tail_end),
+        ends.floor, ends.fill_end, float(cf @ layers), tail0, (ends.first.tail_end, ends.last.tail_end),
     )
 
 
@@ -370,9 +389,11 @@ def _tail_floor(chosen: Sequence[Option], L: int) -> float:
     return float(tail_bound(L, sum(per_tail(o, o.stages) for o in chosen), max(o.tail1 for o in chosen)))
 
 
-def per_tail(o: Option, k):
+def per_tail(o: "Option | NewShapes", k):
     """k stages of `o`'s shape in `tail_bound`'s sum: k / tail1 (inf where tail1 is 0;
-    elementwise for an array k)."""
+    elementwise for an array k, and for `NewShapes`' columns)."""
+    if np.ndim(o.tail1):
+        return np.divide(k, o.tail1, out=np.full(np.broadcast(k, o.tail1).shape, math.inf), where=o.tail1 > 0)
     return k / o.tail1 if o.tail1 > 0 else math.inf
 
 
@@ -442,11 +463,13 @@ def _fill_within(parts: _ListParts, U: np.ndarray, L: int) -> np.ndarray:
 
 def _cheapest_extra(fill: np.ndarray, room: np.ndarray, extra) -> np.ndarray:
     """Per column, the fill of `extra` layers (beyond a layer a stage) put on the rows
-    (stages, or blocks) of least `fill` per layer first, each row up to its `room` (>= 0)."""
-    order = np.argsort(fill, kind="stable")
-    room = room[order]
+    (stages, or blocks) of least `fill` per layer first, each row up to its `room` (>= 0);
+    `fill` one per row, or one per row and column."""
+    fill = fill.reshape(len(fill), -1)
+    order = np.argsort(fill, axis=0, kind="stable")
+    fill, room = np.take_along_axis(fill, order, 0), np.take_along_axis(room, order, 0)
     before = np.cumsum(room, axis=0) - room
-    return fill[order] @ np.clip(extra - before, 0.0, room)
+    return (fill * np.clip(extra - before, 0.0, room)).sum(axis=0)
 
 
 def _runs(*per_stage: np.ndarray) -> list[tuple[int, int]]:
@@ -496,52 +519,104 @@ def list_may_beat(ctx: Context, b: int, chosen: Sequence[Option], bound: float) 
     none when the stages cannot hold the layers at the largest bottleneck the cheapest fill
     and tail leave under `bound` (the local search asks this of ~10^4 lists a round, nearly
     all of which fail there; `_may_hold` asks it first, per block)."""
-    if not _may_hold(ctx, b, chosen, bound):
+    ends = _list_ends(ctx, b, chosen)
+    if not _may_hold(ctx, b, chosen, bound, ends):
         return False
-    parts = _list_parts(ctx, b, chosen)
+    parts = _list_parts(ctx, b, chosen, ends)
     return parts is not None and _least(ctx, b, chosen, parts, bound) < bound
 
 
-def _may_hold(ctx: Context, b: int, chosen: Sequence[Option], bound: float) -> bool:
-    """`_least`'s first test on a relaxation of `_list_parts`, per block instead of per stage
-    (a few Python numbers, not the list's arrays; `_block_relaxation`). Its fill and tail
-    are no larger, so the largest bottleneck they leave under `bound` is no smaller, and the
-    layers the stages hold there no fewer: where even these are short of L, `_least`'s test
-    fails too (on 2,432 chips most of the local search's lists that `sums_bound` leaves end here)."""
+def _may_hold(ctx: Context, b: int, chosen: Sequence[Option], bound: float, ends: _Ends | None = None) -> bool:
+    """Whether `_least` may be below `bound`, on a relaxation of `_list_parts` per block
+    instead of per stage (a few Python numbers, not the list's arrays; `_Block`), with the
+    list's own end terms and sends (`ends`: its `_list_ends`, made here when not given).
+
+    Every stage of a block takes the block's largest cap, so the blocks' fill and tail
+    (`_block_rest`) are no larger than the stages' at any bottleneck, the largest bottleneck
+    they leave under `bound` no smaller, and the layers the stages hold there no fewer: where
+    even these are short of L, or the largest send reaches that bottleneck, no bottleneck
+    beats `bound`. Then again with each block's cap cut to the layers it holds at that
+    bottleneck (at every bottleneck below it the stages hold no more): a dearer fill and tail,
+    a smaller bottleneck (on 2,432 chips, of the local search's lists that `sums_bound` leaves,
+    ~2 % pass both, ~40 % the first)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
     if weight <= 0:
         return True
-    rest, blocks = _block_relaxation(ctx, b, chosen)
-    most = (bound / _ROUND - rest * _ROUND) / weight  # (rest rounded down: summed in another order)
-    return not math.isfinite(most) or _block_held(blocks, most) >= L
+    ends = ends or _list_ends(ctx, b, chosen)
+    blocks = _blocks(ctx, b, chosen)
+    caps = [x.cap for x in blocks]
+    for _ in range(2):
+        rest = _block_rest(blocks, caps, L)
+        if rest is None:
+            return False
+        # (rest rounded down: summed in another order)
+        most = (bound / _ROUND - (rest + ends.fill_end) * _ROUND) / weight
+        if not math.isfinite(most):
+            return True
+        if ends.floor >= most or _block_held(blocks, most, ends.e_first, ends.e_last) < L:
+            return False
+        caps = [x.holds(most) for x in blocks]
+    return True
 
 
-def _block_relaxation(ctx: Context, b: int, chosen: Sequence[Option]) -> tuple[float, list[tuple[int, int, float]]]:
-    """(a lower bound on `_list_parts`' fill_end + fill0 + tail0, and per block (stages, cap,
-    seconds per layer)): each stage's cap taken as its block's largest, the sends and end
-    terms as 0, the fill the cheapest within those caps (cheapest blocks first), the tail
-    `_list_parts`' own (`_tail_floor`)."""
+class _Block(NamedTuple):
+    """One block of a stage list as `_may_hold` weighs it: every stage on its largest cap."""
+
+    stages: int
+    cap: int  # the largest of its stages' layer caps (at most L - p + 1)
+    layer_s: float
+    fill: float
+    tail1: float
+
+    def holds(self, bottleneck: float, cap: int | None = None) -> int:
+        """The layers a stage of it holds with its time within `bottleneck` (within `cap`,
+        default its own)."""
+        return max(0, min(self.cap if cap is None else cap, math.floor(bottleneck / self.layer_s + 1e-9)))
+
+
+def _blocks(ctx: Context, b: int, chosen: Sequence[Option]) -> list[_Block]:
     L, m = ctx.model.n_layers, ctx.global_batch // b
     p = sum(o.stages for o in chosen)
-    blocks, rest, fills = [], _tail_floor(chosen, L), []
-    for o, c in zip(chosen, ctx.block_cap_maxima(chosen, m)):
-        fill, c = o.fill, min(c, L - p + 1)
-        blocks.append((o.stages, c, o.layer_s))
-        fills.append((fill, o.stages * (c - 1)))
-        rest += o.stages * fill
-    extra = L - p  # the layers beyond one a stage: on the cheapest blocks first
-    for fill, room in sorted(fills, key=lambda x: x[0]):
+    return [_Block(o.stages, min(c, L - p + 1), o.layer_s, o.fill, o.tail1)
+            for o, c in zip(chosen, ctx.block_cap_maxima(chosen, m))]
+
+
+def _block_rest(blocks: Sequence[_Block], caps: Sequence[int], L: int) -> float | None:
+    """A lower bound on the fill's per-layer part and the tail of every split with each stage
+    of block j within caps[j] layers (None: no such split holds L layers): the cheapest fill
+    (a layer a stage, the L - p beyond on the cheapest blocks first), and the least X at which
+    the stages hold L layers with each tail1 * l <= X (l continuous, the tail's end terms 0)."""
+    if min(caps) < 1 or sum(x.stages * c for x, c in zip(blocks, caps)) < L:
+        return None
+    rest = sum(x.stages * x.fill for x in blocks)
+    extra = L - sum(x.stages for x in blocks)
+    for x, c in sorted(zip(blocks, caps), key=lambda xc: xc[0].fill):
         if extra <= 0:
             break
-        take = min(extra, max(room, 0))
-        rest, extra = rest + take * fill, extra - take
-    return rest, blocks
+        take = min(extra, x.stages * (c - 1))
+        rest, extra = rest + take * x.fill, extra - take
+    # the tail: blocks in the order they reach their cap as X grows, the rest at X / tail1
+    capped, per_x = 0.0, sum(x.stages / x.tail1 for x in blocks if x.tail1 > 0)
+    tail = 0.0
+    for x, c in sorted(zip(blocks, caps), key=lambda xc: xc[0].tail1 * xc[1]):
+        tail = x.tail1 * c
+        if per_x > 0 and (L - capped) / per_x <= tail:
+            tail = (L - capped) / per_x
+            break
+        capped += x.stages * c
+        per_x -= x.stages / x.tail1 if x.tail1 > 0 else 0.0
+    return rest + max(tail, max(x.tail1 for x in blocks))
 
 
-def _block_held(blocks: list[tuple[int, int, float]], bottleneck: float) -> int:
-    """The most layers blocks (`_block_relaxation`'s) hold with every stage within `bottleneck`."""
-    return sum(k * max(0, min(c, math.floor(bottleneck / a + 1e-9))) for k, c, a in blocks)
+def _block_held(blocks: Sequence[_Block], bottleneck: float, e_first: float = 0.0, e_last: float = 0.0) -> int:
+    """The most layers the blocks hold with every stage within `bottleneck`, the first
+    stage's time e_first more and the last's e_last more (`_Ends`)."""
+    held = sum(x.stages * x.holds(bottleneck) for x in blocks)
+    for e, x in ((e_first, blocks[0]), (e_last, blocks[-1])):
+        if e:
+            held += x.holds(bottleneck - e) - x.holds(bottleneck)
+    return held
 
 
 class TopK:
@@ -588,10 +663,32 @@ class ListSums(NamedTuple):
     inv_tail: float  # of `per_tail`
     tail_max: float  # the largest Option.tail1
 
-    def plus(self, o: Option, k) -> "ListSums":
-        """These sums with k more stages of `o`'s shape (elementwise for an array k)."""
+    def plus(self, o: "Option | NewShapes", k) -> "ListSums":
+        """These sums with k more stages of `o`'s shape (elementwise for an array k, and for
+        `NewShapes`' columns)."""
         return ListSums(self.speed + k / o.layer_s, self.fill + k * o.fill, self.stages + k,
-                        min(self.cheapest, o.fill), self.inv_tail + per_tail(o, k), max(self.tail_max, o.tail1))
+                        np.minimum(self.cheapest, o.fill), self.inv_tail + per_tail(o, k),
+                        np.maximum(self.tail_max, o.tail1))
+
+
+class NewShapes(NamedTuple):
+    """A new block's shape per column (of the local search's moves: several shapes of one
+    chip, each at several numbers of stages), what `ListSums.plus` and `Beside.cannot_beat`
+    read of an Option, as arrays."""
+
+    layer_s: np.ndarray
+    fill: np.ndarray
+    cap1: np.ndarray
+    tail1: np.ndarray
+
+    @classmethod
+    def of(cls, shapes: Sequence[Option]) -> "NewShapes":
+        """One column per shape."""
+        return cls(*(np.array(x, dtype=float) for x in zip(*((o.layer_s, o.fill, o.cap1, o.tail1) for o in shapes))))
+
+    def take(self, which: np.ndarray) -> "NewShapes":
+        """Columns `which` (indices into these)."""
+        return NewShapes(*(a[which] for a in self))
 
 
 def list_sums(chosen: Sequence[Option]) -> ListSums:
@@ -625,9 +722,10 @@ class Beside:
         self.layer_s = _column([o.layer_s for o in blocks])
         self.fill = np.array([o.fill for o in blocks], dtype=float)
 
-    def cannot_beat(self, weight: float, L: int, new: Option, ks: np.ndarray, bound: float) -> np.ndarray:
+    def cannot_beat(self, weight: float, L: int, new: "Option | NewShapes", ks: np.ndarray, bound: float
+                    ) -> np.ndarray:
         """Per number of stages k in `ks`, whether no list of these blocks and k stages of
-        `new`'s shape, in any order, can beat `bound`: where `sums_bound` reaches it, or where
+        `new`'s shape (its column's, of `NewShapes`), in any order, can beat `bound`: where `sums_bound` reaches it, or where
         `_may_hold` would reject every such list with each stage's cap taken as its shape's
         `cap1` (the most layers it holds with one micro-batch in flight, at least its block's
         largest cap in any list: a stage holds at least one micro-batch in flight). Larger caps
@@ -639,18 +737,23 @@ class Beside:
         if weight <= 0 or not math.isfinite(bound) or out.all():
             return out
         live = ~out
+
+        def alive(x):  # per k left (a scalar stays one)
+            return x[live] if np.ndim(x) else x
+
         k, p = ks[live].astype(float), sums.stages[live]
         most_per_stage = L - p + 1.0
-        caps, cap_new = np.minimum(self.cap1, most_per_stage), np.minimum(new.cap1, most_per_stage)
-        # `_block_relaxation`'s rest: the tail floor, a layer a stage in the fill, and the L - p
+        caps, cap_new = np.minimum(self.cap1, most_per_stage), np.minimum(alive(new.cap1), most_per_stage)
+        # `_may_hold`'s first rest (`_block_rest`), the tail at its floor: a layer a stage in the fill, the L - p
         # layers beyond those on the cheapest blocks first, within the caps
         room = np.vstack([self.stages * (caps - 1.0), k * (cap_new - 1.0)]).clip(min=0.0)
-        inv_tail = sums.inv_tail[live] if np.ndim(sums.inv_tail) else sums.inv_tail
-        rest = (tail_bound(L, inv_tail, sums.tail_max) + sums.fill[live]
-                + _cheapest_extra(np.append(self.fill, new.fill), room, L - p))
+        fill = np.vstack([np.broadcast_to(self.fill[:, None], (len(self.fill), len(k))),
+                          np.broadcast_to(alive(new.fill), k.shape)])
+        rest = (tail_bound(L, alive(sums.inv_tail), alive(sums.tail_max)) + sums.fill[live]
+                + _cheapest_extra(fill, room, L - p))
         most = (bound / _ROUND - rest * _ROUND) / weight
         held = ((self.stages * np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)).sum(axis=0)
-                + k * np.minimum(cap_new, np.floor(most / new.layer_s + 1e-9)).clip(min=0.0))
+                + k * np.minimum(cap_new, np.floor(most / alive(new.layer_s) + 1e-9)).clip(min=0.0))
         out[live] = np.isfinite(most) & (held < L)
         return out
 
