@@ -392,7 +392,7 @@ def _tail_floor(chosen: Sequence[Option], L: int) -> float:
 def per_tail(o: "Option | NewShapes", k):
     """k stages of `o`'s shape in `tail_bound`'s sum: k / tail1 (inf where tail1 is 0;
     elementwise for an array k, and for `NewShapes`' columns)."""
-    if np.ndim(o.tail1):
+    if isinstance(o.tail1, np.ndarray):
         return np.divide(k, o.tail1, out=np.full(np.broadcast(k, o.tail1).shape, math.inf), where=o.tail1 > 0)
     return k / o.tail1 if o.tail1 > 0 else math.inf
 
