@@ -346,6 +346,7 @@ class _Ends(NamedTuple):
 
 
 def _list_ends(ctx: Context, b: int, chosen: Sequence[Option]) -> _Ends:
+    """A stage list's `_Ends`."""
     p = sum(o.stages for o in chosen)
     first = ctx.terms(b, chosen[0], True, p == 1, 1)
     last = ctx.terms(b, chosen[-1], p == 1, True, 1)
@@ -569,10 +570,9 @@ class _Block(NamedTuple):
     fill: float
     tail1: float
 
-    def holds(self, bottleneck: float, cap: int | None = None) -> int:
-        """The layers a stage of it holds with its time within `bottleneck` (within `cap`,
-        default its own)."""
-        return max(0, min(self.cap if cap is None else cap, math.floor(bottleneck / self.layer_s + 1e-9)))
+    def holds(self, bottleneck: float) -> int:
+        """The layers a stage of it holds with its time within `bottleneck`."""
+        return max(0, min(self.cap, math.floor(bottleneck / self.layer_s + 1e-9)))
 
 
 def _blocks(ctx: Context, b: int, chosen: Sequence[Option]) -> list[_Block]:
@@ -725,13 +725,13 @@ class Beside:
     def cannot_beat(self, weight: float, L: int, new: "Option | NewShapes", ks: np.ndarray, bound: float
                     ) -> np.ndarray:
         """Per number of stages k in `ks`, whether no list of these blocks and k stages of
-        `new`'s shape (its column's, of `NewShapes`), in any order, can beat `bound`: where `sums_bound` reaches it, or where
-        `_may_hold` would reject every such list with each stage's cap taken as its shape's
-        `cap1` (the most layers it holds with one micro-batch in flight, at least its block's
-        largest cap in any list: a stage holds at least one micro-batch in flight). Larger caps
-        leave a fill no dearer and hold no fewer layers at a bottleneck, so a list this rejects
-        `_may_hold` rejects too, and `list_may_beat` after it (on 2,432 chips nearly all the
-        lists `_may_hold` rejected in the climb, without building them)."""
+        `new`'s shape (its column's, of `NewShapes`), in any order, can beat `bound`: where
+        `sums_bound` reaches it, or where `_may_hold`'s first test would reject every such
+        list with each stage's cap taken as its shape's `cap1` (the most layers it holds with
+        one micro-batch in flight, at least its block's largest cap in any list: a stage holds
+        at least one micro-batch in flight), the sends and end terms as 0 and the tail at its
+        floor. Larger caps leave a fill no dearer and hold no fewer layers at a bottleneck, so
+        a list this rejects `_may_hold` rejects too, and `list_may_beat` after it."""
         sums = self.sums.plus(new, ks)
         out = sums_bound(weight, L, sums) >= bound
         if weight <= 0 or not math.isfinite(bound) or out.all():
@@ -744,8 +744,8 @@ class Beside:
         k, p = ks[live].astype(float), sums.stages[live]
         most_per_stage = L - p + 1.0
         caps, cap_new = np.minimum(self.cap1, most_per_stage), np.minimum(alive(new.cap1), most_per_stage)
-        # `_may_hold`'s first rest (`_block_rest`), the tail at its floor: a layer a stage in the fill, the L - p
-        # layers beyond those on the cheapest blocks first, within the caps
+        # `_may_hold`'s first rest (`_block_rest`) with the tail at its floor: a layer a stage
+        # in the fill, the L - p layers beyond those on the cheapest blocks first, within the caps
         room = np.vstack([self.stages * (caps - 1.0), k * (cap_new - 1.0)]).clip(min=0.0)
         fill = np.vstack([np.broadcast_to(self.fill[:, None], (len(self.fill), len(k))),
                           np.broadcast_to(alive(new.fill), k.shape)])
