@@ -120,7 +120,7 @@ def test_the_per_block_first_test_rejects_only_lists_the_full_bound_rejects(monk
     the local search asks about: where it says no, `list_bound` says no too (else the search
     would skip a list that may beat the best), term by term (at each bottleneck, with each
     block's cap cut to what it holds there, its fill and tail no larger than the stages', the
-    layers it holds no more; each block's largest cap is its stages' largest), and it says no
+    layers it holds no fewer; each block's largest cap is its stages' largest), and it says no
     to most. (The local search's moves then weigh a new block by its sums alone, not by its
     caps too, `split.Beside.cannot_beat`: else they leave out before building them nearly
     all the lists this rejects.)"""
