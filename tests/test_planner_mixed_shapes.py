@@ -17,7 +17,7 @@ from h2jax.planner.cost_model import CostOptions
 from h2jax.planner.mixed_shapes import in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
 from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
-from h2jax.planner.split import Beside, _may_hold, list_bound, list_sums, sums_bound
+from h2jax.planner.split import Beside, NewShapes, _may_hold, list_bound, list_sums, sums_bound
 
 REPO = Path(__file__).resolve().parent.parent
 C64 = REPO / "plans" / "cluster-64.toml"
@@ -206,6 +206,36 @@ def test_a_new_blocks_cheap_test_rejects_only_what_may_hold_rejects(schedule, v)
                         by_caps += not by_sum
                         assert all(by_sum or not _may_hold(ctx, b, x, beat) for x in lists)
     assert by_caps > 0
+
+
+def test_a_new_blocks_test_over_every_shape_at_once_answers_as_shape_by_shape():
+    """`moves` asks `split.Beside.cannot_beat` once for every shape of a chip at every number
+    of stages (`split.NewShapes`, a column each, the fill order of the blocks then differing
+    per column): each column's answer is the one it gives that shape alone."""
+    rng = random.Random(11)
+    asked = 0
+    for _ in range(20):
+        ctx = make_context(small_cluster(rng), "tiny", 128, 8)
+        L = ctx.model.n_layers
+        for b in divisors(8):
+            shapes = [o for opts in ctx.type_shapes(b, prune_unfit=True) for o in opts]
+            if len(shapes) < 2:
+                continue
+            weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
+            beside = [dataclasses.replace(o, stages=1) for o in rng.sample(shapes, rng.randint(0, 2))]
+            most = L - len(beside)
+            if most < 1:
+                continue
+            which = np.repeat(np.arange(len(shapes)), most)
+            ks = np.tile(np.arange(1, most + 1), len(shapes))
+            for beat in (list_bound(ctx, b, beside + [dataclasses.replace(shapes[0], stages=1)]) * 1.2, 1.0):
+                beat = beat if math.isfinite(beat) else 1.0
+                together = Beside(beside).cannot_beat(weight, L, NewShapes.of(shapes).take(which), ks, beat)
+                alone = np.concatenate([Beside(beside).cannot_beat(weight, L, s, np.arange(1, most + 1), beat)
+                                        for s in shapes])
+                assert together.tolist() == alone.tolist()
+                asked += int((~together).sum() > 0 and together.sum() > 0)
+    assert asked > 0  # some columns said yes and some no
 
 
 def test_a_move_puts_one_block_anywhere_else_in_the_pipeline():
