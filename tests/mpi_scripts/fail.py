@@ -7,7 +7,7 @@ usage: mpiexec -n 2 python fail.py MODE BAD_RANK
   late   BAD_RANK starts MPI, then reaches the start-up barrier 600 s late (as if stuck
          initializing its backend; set H2JAX_MPI_STARTUP_TIMEOUT low)
   early  BAD_RANK is stuck 600 s before it even starts MPI
-  early_slow_load  as early, and loading the MPI library takes the other ranks 10 s (as on a
+  early_slow_load  as early, and loading the MPI library takes the other ranks 15 s (as on a
          loaded machine; set H2JAX_MPI_STARTUP_TIMEOUT below that)
 """
 
@@ -33,7 +33,7 @@ if mode == "early_slow_load":
     load = ranks._load_mpi_library
 
     def slow_load():
-        time.sleep(10)
+        time.sleep(15)
         return load()
 
     ranks._load_mpi_library = slow_load
