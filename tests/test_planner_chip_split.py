@@ -162,19 +162,21 @@ def test_plan_reports_the_two_shape_proof(capsys):
 
 
 def test_plan_prints_each_schedules_time_or_that_it_is_slower(capsys):
-    """--schedule auto: the winner, the others' times, and those with no plan under the
-    cutoff as slower (proved) or not proved (the time limit stopped their search)."""
+    """--schedule auto: the winner, the others' times, those with no plan under the cutoff as
+    slower (proved) or not proved (the time limit stopped their search), and those left out
+    as never faster than one searched."""
     from h2jax.cli.plan import print_table
 
     result = plan_cluster(APART, "tiny", 32, 2, schedule="auto", baselines=False, mixed_shapes=False)
     pred = result.plan.predicted
     won, t_won = next(iter(pred["schedule_times_s"].items()))
     assert pred["schedule_bounds_s"]  # (this cluster: a schedule with no plan under 1F1B's)
-    pred["schedule_bounds_s"] = {"gpipe": t_won * 1.5, "zb-h1": t_won * 0.5}
+    pred["schedule_bounds_s"] = {"interleaved-1f1b (v=2)": t_won * 1.5, "zb-h1": t_won * 0.5}
     print_table(result, APART, None)
     out = " ".join(capsys.readouterr().out.split())
     assert f"schedule: {won} won;" in out
-    assert f"gpipe slower (no plan under {t_won * 1.5:.4g} s)" in out
+    assert f"interleaved-1f1b (v=2) slower (no plan under {t_won * 1.5:.4g} s)" in out
+    assert "gpipe not searched (never faster than 1f1b)" in out
     assert f"zb-h1 no plan found under {t_won:.4g} s, not proved (time limit; at least {t_won * 0.5:.4g} s)" in out
 
 
@@ -556,7 +558,8 @@ def test_auto_proves_each_schedule_against_the_best_before_it(case):
     for label, p in last.items():  # (in the order the proofs ran)
         assert p.best_s <= before * (1 + 1e-12), (label, p.best_s, before)
         before = p.best_s if label != "zb-h1" else before
-    assert stats.schedule_bounds and all(b >= proved.time_s * (1 - 1e-9) for b in stats.schedule_bounds.values())
+    assert all(b >= proved.time_s * (1 - 1e-9) for b in stats.schedule_bounds.values())
+    assert stats.schedules_left_out == {"gpipe": "1f1b"}  # (never faster: not searched, not proved)
 
 
 def test_ctrl_c_in_one_schedules_proof_leaves_the_other_schedules_unproved():

@@ -121,6 +121,62 @@ def test_auto_searches_every_schedule_and_v():
                                 ("zb-h1", 1)]
 
 
+def no_faster_than_holds(slow, fast) -> list[str]:
+    """What fails of `slow.no_faster_than = fast.name`: every plan of `slow` runs no faster and
+    fits under `fast` (the planner's `auto` then leaves `slow` out where it searches `fast`)."""
+    import numpy as np
+
+    bad = []
+    a, b = slow.closed_form, fast.closed_form
+    if a.chunked != b.chunked or slow.virtual != fast.virtual or not (a.exact and b.exact):
+        bad.append("closed forms of another kind (chunks, or one not exact)")
+    if min(np.subtract(a.fill, b.fill)) < 0 or min(np.subtract(a.fill_last, b.fill_last)) < 0:
+        bad.append("a fill coefficient below the other's")
+    # sum_k max(max_i c_k . x_i, send) >= max(max_i c . x_i, send) for x >= 0 where the c_k
+    # add up to at least c (and are >= 0): the other has one steady component
+    if len(b.steady) != 1 or min(np.sum(a.steady, axis=0) - b.steady[0]) < 0 or np.min(a.steady) < 0:
+        bad.append("a steady state that can be below the other's")
+    for v in ((2, 4) if slow.virtual else (1,)):
+        for p in range(1, 13):
+            for m in range(1, 17):
+                if slow.unsupported(p, m, v) is not None:
+                    continue
+                if fast.unsupported(p, m, v) is not None:
+                    bad.append(f"p={p} m={m} v={v} runs only under the slower one")
+                for i in range(p):
+                    if (slow.memory_in_flight(i, p, m, v) < fast.memory_in_flight(i, p, m, v)
+                            or slow.deferred(i, p, m, v) < fast.deferred(i, p, m, v)):
+                        bad.append(f"stage {i} of p={p} m={m} holds less than under the other")
+    # and the closed forms themselves, on random stages (f, b, w >= 0, w <= b) and sends
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p, m = int(rng.integers(1, 9)), int(rng.integers(1, 17))
+        f, bw = rng.exponential(1.0, (2, p))
+        w = bw * rng.uniform(0, 1, p)
+        links, send = rng.exponential(0.3, 2)
+        if a.pipeline_time(f, bw, w, links, send, m) < b.pipeline_time(f, bw, w, links, send, m) - 1e-12:
+            bad.append(f"slower on stages f={f}, b={bw}, w={w}")
+            break
+    return bad
+
+
+def test_a_schedule_no_faster_than_another_is_never_faster_and_fits_wherever_it_does():
+    """`Schedule.no_faster_than` (GPipe's 1F1B) is a claim the planner relies on: under `auto`
+    it never searches the slower schedule. Checked from the closed forms' coefficients, the
+    in-flight and deferred counts and the (p, m) each runs, and on random stages; and the
+    check itself refuses claims that do not hold (ZB-H1 moves W's into the fill: it can be
+    faster than 1F1B; 1F1B holds fewer micro-batches than GPipe)."""
+    claims = {name: s.no_faster_than for name, s in sched.SCHEDULES.items() if s.no_faster_than}
+    assert claims == {"gpipe": "1f1b"}
+    for slow, fast in claims.items():
+        assert no_faster_than_holds(sched.get_schedule(slow), sched.get_schedule(fast)) == []
+    get = sched.get_schedule
+    assert no_faster_than_holds(get("zb-h1"), get("1f1b"))  # its fill is below 1F1B's
+    assert no_faster_than_holds(get("1f1b"), get("gpipe"))  # it holds fewer micro-batches
+    assert no_faster_than_holds(get("1f1b"), get("zb-h1"))
+    assert no_faster_than_holds(get("interleaved-1f1b"), get("1f1b"))  # chunks: another kind of form
+
+
 def test_schedules_import_no_jax():
     import subprocess
     import sys

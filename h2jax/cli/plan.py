@@ -198,7 +198,9 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
             [f"{name} {t:.4g} s ({t / t_won - 1:+.1%})" for name, t in rest]
             + [f"{name} slower (no plan under {t:.4g} s)" if t >= t_won
                else f"{name} no plan found under {t_won:.4g} s, not proved (time limit; at least {t:.4g} s)"
-               for name, t in beaten.items()]))
+               for name, t in beaten.items()]
+            + [f"{name} not searched (never faster than {other})"
+               for name, other in (pred.get("schedules_left_out") or {}).items()]))
     simulated = pred.get("auto_simulated_s") or {}
     if len(simulated) > 1:  # ZB-H1 was fastest under the closed forms: the simulator decided
         console.print("  ZB-H1 checked by simulation (its closed form can fall short on uneven stages): "

@@ -164,6 +164,8 @@ def plan_cluster(
                                                     key=lambda kv: (kv[0] != best.label, kv[1])))
     if stats.schedule_bounds:  # --schedule auto: schedules with no plan faster than the best before them
         predicted["schedule_bounds_s"] = dict(stats.schedule_bounds)
+    if stats.schedules_left_out:  # --schedule auto: schedules never faster than one searched
+        predicted["schedules_left_out"] = dict(stats.schedules_left_out)
     if stats.auto_simulated:  # ZB-H1 fastest under the cost model: the simulator's step of it and the next
         predicted["auto_simulated_s"] = dict(stats.auto_simulated)
 

@@ -57,7 +57,7 @@ from h2jax.planner.space import (  # noqa: F401  (re-exported: the planner's pub
     micro_batches_of, pipeline_order, schedule_label, tensor_sizes,
 )
 from h2jax.planner.split import OutOfTime, TopK, best_split, solve, stage_list_sends  # noqa: F401
-from h2jax.schedules import AUTO, variants
+from h2jax.schedules import AUTO, get_schedule, variants
 from h2jax.cluster import Cluster
 
 
@@ -255,8 +255,10 @@ def top_k(
     With `time_limit_s` the fast search returns the best found when time runs out and
     `stats.proved_optimal` says it was stopped. `schedule="auto"` searches every registered
     schedule (and, for interleaved 1F1B, each v in VIRTUAL_STAGES unless `virtual_stages`
-    names one) and returns the fastest plans over all of them; `stats.schedule_times` holds
-    each one's best time; a time limit bounds the whole search, shared among them.
+    names one) but those never faster than another one it searches (`Schedule.no_faster_than`,
+    GPipe's 1F1B: `stats.schedules_left_out`), and returns the fastest plans over all of them;
+    `stats.schedule_times` holds each one's best time; a time limit bounds the whole search,
+    shared among them.
 
     `mixed_shapes` lets a chip type's stages take two shapes: the fast search refines its
     REFINE_STARTS best plans by a local search (mixed_shapes.refine; `stats.one_shape_time_s`
@@ -286,11 +288,15 @@ def top_k(
     if virtual_stages is not None:
         runs = [(n, virtual_stages if v > 1 else 1) for n, v in runs]
         runs = list(dict.fromkeys(runs))
-    if len(runs) == 1:
+    # a schedule never faster than another one searched (`Schedule.no_faster_than`): left out
+    left_out = {schedule_label(n, v): get_schedule(n).no_faster_than for n, v in runs
+                if get_schedule(n).no_faster_than in {other for other, _ in runs}}
+    runs = [(n, v) for n, v in runs if schedule_label(n, v) not in left_out]
+    if len(runs) == 1 and not left_out:
         return _top_k_one(cluster, model, seq_len, global_batch, k, *runs[0], exhaustive, profile,
                           micro_batches, recompute, options, time_limit_s, mixed_shapes, prove_two_shapes,
                           proof_workers, proof_progress)
-    stats = SearchStats(lower_bound_s=math.inf)
+    stats = SearchStats(lower_bound_s=math.inf, schedules_left_out=left_out)
     errors: list[PlannerError] = []
     # One limit for the whole search: each schedule gets an equal share of the time left, so a
     # slow one cannot starve those after it (the proofs, after every search, take what is left:

@@ -116,6 +116,9 @@ class SearchStats:
     # before them) with no plan found faster than it (label -> a lower bound on their best, s:
     # at least the cutoff where the search finished, less where the time limit stopped it)
     schedule_bounds: dict = dataclasses.field(default_factory=dict)
+    # --schedule auto: the schedules not searched, each never faster than a schedule searched
+    # (label -> that schedule's name: `Schedule.no_faster_than`; no plan of it beats that one's)
+    schedules_left_out: dict = dataclasses.field(default_factory=dict)
     # --schedule auto, where ZB-H1 was fastest under the cost model: the simulated step of it
     # and of the next schedule's best (label -> seconds); the faster is the plan
     auto_simulated: dict = dataclasses.field(default_factory=dict)

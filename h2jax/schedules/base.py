@@ -146,6 +146,12 @@ class Schedule:
     position_in_flight: Callable[[int, int, int], float] = lambda j, m, v: float(min(j, m))
     # why (p stages, m micro-batches, v chunks) cannot run this schedule, or None
     unsupported: Callable[[int, int, int], str | None] = lambda p, m, v: None
+    # another schedule that runs every plan of this one at least as fast and in no more
+    # memory: its closed form is never above this one's, each stage holds no more micro-batches
+    # (activations, deferred gradients) and it runs every (p, m) this one does. `--schedule
+    # auto` then leaves this one out where it searches that one: no plan of this one can beat
+    # that one's best (tests/test_schedule.py checks each such claim)
+    no_faster_than: str | None = None
 
     def check_v(self, v: int) -> None:
         if self.virtual and v < 2:

@@ -25,4 +25,7 @@ SCHEDULE = Schedule(
     in_flight=in_flight,
     closed_form=ClosedForm(fill=(1, 1, 0), fill_last=(1, 1, 0), steady=((1, 0, 0), (0, 1, 0))),
     position_in_flight=lambda j, m, v: float(m),
+    # the same fill, a steady state of max f + max b >= max (f + b), m micro-batches in flight
+    # where 1F1B holds min(p - i, m): a plan runs no slower, and fits, under 1F1B
+    no_faster_than="1f1b",
 )
