@@ -272,6 +272,26 @@ def test_auto_computes_each_stage_term_once_for_all_its_schedules(monkeypatch):
         make_context(cluster, "tiny", 32, 8).sharing_terms(make_context(cluster, "tiny", 64, 8))
 
 
+def test_a_stages_times_do_not_depend_on_what_it_holds_in_flight():
+    """`auto` leaves GPipe out as never faster than 1F1B (Schedule.no_faster_than, checked on
+    the closed forms in tests/test_schedule.py): that holds only while a stage's times are the
+    same whatever it holds in flight, which the cost model keeps; only its memory grows."""
+    import itertools
+
+    from h2jax.config import get_config
+
+    chip = ChipType("a", "cpu", 0.05, 1.0, 8, 50.0, 2.0, "t")
+    times = ("fwd_layer", "fwd_end", "bwd_layer", "bwd_end", "bwd_weight_layer", "bwd_weight_end",
+             "tail_layer", "tail_end", "dp_layer", "dp_end")
+    for (data, tensor), recompute, first, last in itertools.product(
+            [(1, 1), (2, 2), (1, 4)], ["none", "selective", "full"], [False, True], [False, True]):
+        terms = [cm.stage_terms(get_config("tiny"), 32, 4, chip, data, tensor, recompute, first, last,
+                                held, None, cm.CostOptions(), deferred)
+                 for held, deferred in [(1, 0), (4, 0), (16, 0), (4, 3)]]
+        assert all([getattr(t, f) for f in times] == [getattr(terms[0], f) for f in times] for t in terms)
+        assert terms[0].mem.per_layer < terms[2].mem.per_layer  # (what grows: the memory)
+
+
 def test_auto_searches_every_schedule_and_reports_the_winner():
     from h2jax.planner import plan_cluster
 
@@ -282,7 +302,7 @@ def test_auto_searches_every_schedule_and_reports_the_winner():
     times = result.plan.predicted["schedule_times_s"]
     # each schedule after 1F1B is searched only for plans faster than the best before it:
     # those with none are listed with a lower bound on their best, at least the winner's time
-    beaten = result.plan.predicted.get("schedule_bounds_s", {})
+    beaten = dict(result.plan.predicted.get("schedule_bounds_s", {}))
     # GPipe is never faster than 1F1B (Schedule.no_faster_than): not searched, its bound 1F1B's
     left_out = result.plan.predicted["schedules_left_out"]
     assert left_out == {"gpipe": "1f1b"}
