@@ -14,7 +14,8 @@ tiny clusters, and the exact two-shape search on the 64- and 768-chip clusters (
 `--proof-time-limit`), in one process and then with `--proof-workers` processes, under
 `--schedule auto` (every schedule proved, one process), and of ZB-H1
 alone on the 64- and 768-chip clusters (one process).
-`--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
+`shipped_plan_by_workers`: `h2jax plan`'s default run (auto, two shapes, baselines) in one
+process and in `--plan-workers`, in turn. `--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
 each: how many are proved optimal, the total and slowest time, how many take over 1 s).
 """
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from h2jax.cli.plan import usable_cpus
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, known_chips, load_chip, load_cluster
-from h2jax.planner import PlannerError, top_k
+from h2jax.planner import PlannerError, plan_cluster, top_k
 from h2jax.planner.space import schedule_label
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,6 +137,35 @@ def shipped_auto(time_limit: float) -> dict:
             "schedule_times_s": {k: round(v, 4) for k, v in stats.schedule_times.items()},
             "schedule_lower_bounds_s": {k: round(v, 4) for k, v in stats.schedule_bounds.items()},
             "schedules_left_out": dict(stats.schedules_left_out),
+        }
+    return out
+
+
+def shipped_plan_by_workers(time_limit: float, workers: int, repeat: int) -> dict:
+    """`h2jax plan`'s default (`plan_cluster`: `--schedule auto`, the local search over two
+    shapes, the baselines) in one process and with `workers` (`--jobs`), `repeat` times each,
+    in turn (one process, then workers): the wall time of each, the ratio of the medians,
+    and whether the plan files are the same (but the search time they record)."""
+    out = {}
+    for name in CLUSTERS:
+        cluster = load_cluster(REPO / "plans" / name)
+        walls: dict[int, list[float]] = {1: [], workers: []}
+        plans: dict[int, dict] = {}
+        for _ in range(repeat):
+            for n in walls:
+                t0 = time.perf_counter()
+                result = plan_cluster(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, schedule="auto",
+                                      time_limit_s=time_limit, workers=n)
+                walls[n].append(time.perf_counter() - t0)
+                plan = result.plan.to_dict()
+                plan["predicted"].pop("search_time_s")
+                plans[n] = plan
+        median = {n: statistics.median(w) for n, w in walls.items()}
+        out[cluster.name] = {
+            "wall_s_one_process": [round(w, 2) for w in walls[1]],
+            f"wall_s_{workers}_processes": [round(w, 2) for w in walls[workers]],
+            "ratio_of_medians": round(median[workers] / median[1], 3),
+            "same_plan": plans[1] == plans[workers],
         }
     return out
 
@@ -267,7 +297,7 @@ def shipped_two_shape_proof(time_limit: float, workers: int) -> dict:
     """The exact two-shape search (`prove_two_shapes`) on the shipped 64- and 768-chip
     clusters, one run each within `time_limit`: proved or not, its nodes and time, the plan
     against the local search's and the one-shape optimum, and the lower bound it leaves; then
-    the same search with `workers` processes (`proof_workers`), right after it: its time, its
+    the same search with `workers` processes (`top_k(workers=...)`), right after it: its time, its
     nodes and whether it reached the same plan time."""
     out = {}
     for name in CLUSTERS[:2]:
@@ -280,7 +310,7 @@ def shipped_two_shape_proof(time_limit: float, workers: int) -> dict:
         parallel = {}
         if workers > 1:
             t0 = time.perf_counter()
-            (pbest,), pstats = top_k(*args, time_limit_s=time_limit, prove_two_shapes=True, proof_workers=workers)
+            (pbest,), pstats = top_k(*args, time_limit_s=time_limit, prove_two_shapes=True, workers=workers)
             pwall = time.perf_counter() - t0
             parallel = {"workers": workers, "search_time_s": round(pwall, 2), "proved": pstats.two_shapes_proved,
                         "nodes": pstats.two_shape_nodes, "same_step_time": abs(pbest.time_s / best.time_s - 1) <= 1e-9,
@@ -324,7 +354,7 @@ def shipped_two_shape_proof_zb_h1(time_limit: float) -> dict:
         cluster = load_cluster(REPO / "plans" / name)
         t0 = time.perf_counter()
         (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, schedule="zb-h1",
-                               time_limit_s=time_limit, prove_two_shapes=True, proof_workers=1)
+                               time_limit_s=time_limit, prove_two_shapes=True, workers=1)
         out[cluster.name] = {
             "search_time_s": round(time.perf_counter() - t0, 2), "proved": stats.two_shapes_proved,
             "nodes": stats.two_shape_nodes, "step_time_s": round(best.time_s, 4),
@@ -378,6 +408,10 @@ def main() -> None:
     parser.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
                         help="also search the shipped clusters under --schedule auto, and each of ZB-H1 and "
                              "interleaved 1F1B (v = 2, 4) alone (within --time-limit each)")
+    parser.add_argument("--plan-workers", type=int, default=max(2, usable_cpus()),
+                        help="processes for `h2jax plan`'s default run on the shipped clusters, against one "
+                             "(with --auto; 1: skip)")
+    parser.add_argument("--plan-repeat", type=int, default=2, help="runs of each (in turn)")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")
     args = parser.parse_args()
@@ -388,6 +422,8 @@ def main() -> None:
         "shipped_clusters_gpipe": shipped_gpipe(args.time_limit),
         **({"shipped_clusters_auto": shipped_auto(args.time_limit)} if args.auto else {}),
         **({"shipped_clusters_by_schedule": shipped_by_schedule(args.time_limit)} if args.auto else {}),
+        **({"shipped_plan_by_workers": shipped_plan_by_workers(args.time_limit, args.plan_workers, args.plan_repeat)}
+           if args.auto and args.plan_workers > 1 else {}),
         "small_clusters": fast_vs_exhaustive(args.cases, seed=0),
         "shipped_clusters_two_shapes": shipped_two_shapes(args.time_limit),
         "small_clusters_two_shapes": two_shapes_vs_exhaustive(args.two_shape_cases, seed=1),

@@ -363,7 +363,7 @@ def test_nodes_searched_by_worker_processes_reach_the_same_proved_optimum(monkey
         assert alone.time_s < local.time_s * (1 - 1e-9)  # (so a proof that drops a node cannot pass)
         with monkeypatch.context() as m:
             m.setattr(chip_split, "POOL_AFTER_S", 0.0)
-            (proved,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_workers=2, **kw)
+            (proved,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, workers=2, **kw)
         assert stats.two_shapes_proved and stats.two_shape_lower_bound_s == proved.time_s
         assert proved.time_s == pytest.approx(alone.time_s, rel=1e-9), (layout(proved), layout(alone))
 
@@ -380,7 +380,7 @@ def test_a_proof_worker_that_dies_fails_the_proof_with_one_clear_error():
     try:
         node = chip_split._Node(0.0, 0, {name: (0, ctx.counts[name] // 2) for name in ctx.order})
         running = {0: (node, pool.submit(node, local, math.inf))}
-        for process in pool._pool._processes.values():  # still starting: it has not taken the node
+        for process in pool._pool._pool._processes.values():  # still starting: it has not taken the node
             os.kill(process.pid, signal.SIGKILL)
         with pytest.raises(PlannerError, match="a process of the two-shape proof died"):
             pool.next_done(running)
@@ -400,7 +400,7 @@ def say_workers():
     print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
 if __name__ == "__main__":
     threading.Thread(target=say_workers, daemon=True).start()
-    top_k(load_cluster(Path(sys.argv[1])), "llama-100b", 4096, 2048, prove_two_shapes=True, proof_workers=2)
+    top_k(load_cluster(Path(sys.argv[1])), "llama-100b", 4096, 2048, prove_two_shapes=True, workers=2)
 """
 
 
@@ -439,9 +439,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_proof_workers_below_one_are_refused_by_name():
-    with pytest.raises(PlannerError, match="proof_workers must be a whole number >= 1"):
-        top_k(APART, "tiny", 32, 2, prove_two_shapes=True, proof_workers=0)
+def test_workers_below_one_are_refused_by_name():
+    with pytest.raises(PlannerError, match="workers must be a whole number >= 1"):
+        top_k(APART, "tiny", 32, 2, prove_two_shapes=True, workers=0)
 
 
 # ----------------------------------------------------------------------------- progress and Ctrl-C
@@ -527,7 +527,7 @@ def test_ctrl_c_ends_the_proofs_worker_processes(monkeypatch):
             assert len(multiprocessing.active_children()) == 2 and p.open >= 1
             raise KeyboardInterrupt
 
-    (best,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, proof_workers=2,
+    (best,), stats = top_k(cluster, "tiny", seq, batch, prove_two_shapes=True, workers=2,
                            proof_progress=stop_after_a_half, **kw)
     assert [p.nodes for p in seen] == [0, 1, 3]
     assert stats.two_shapes_stopped == "SIGINT" and stats.two_shapes_proved is False

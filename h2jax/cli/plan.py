@@ -43,8 +43,9 @@ def add_parser(sub) -> None:
                         "thousands: raise --time-limit; "
                         "it shows where it stands, and Ctrl-C stops it and keeps the best plan found)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="processes for --prove-two-shapes, each searching a node of its own once the proof has run "
-                        "a second (default: the CPUs this process may use)")
+                   help="processes for the search: --schedule auto's schedules after the first, each in one of "
+                        "its own, and --prove-two-shapes' nodes once the proof has run a second; the same plan "
+                        "with any N (default: the CPUs this process may use)")
     p.add_argument("--profile", help="measured profile (from `h2jax profile`) to use instead of the analytical model")
     p.add_argument("--top-k", type=int, default=1, help="keep the K best stage lists (listed with --json)")
     p.add_argument("--refine-with-sim", type=int, default=None, metavar="K",
@@ -109,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
             cluster, args.model, args.seq_len, global_batch, schedule=args.schedule, exhaustive=args.exhaustive,
             profile=profile, k=max(args.top_k, args.refine_with_sim or 1), baselines=not args.no_baselines,
             baseline_global_batch=baseline_batch, time_limit_s=args.time_limit, virtual_stages=args.virtual_stages,
-            mixed_shapes=not args.one_shape_per_type, prove_two_shapes=args.prove_two_shapes, proof_workers=jobs,
+            mixed_shapes=not args.one_shape_per_type, prove_two_shapes=args.prove_two_shapes, workers=jobs,
             proof_progress=progress,
         )
     if args.refine_with_sim:

@@ -54,24 +54,45 @@ def homogeneous_baselines(
     model: Any,
     seq_len: int,
     global_batch: int,
+    at_once: int = 1,
     **search_kwargs: Any,
 ) -> dict[str, Baseline]:
-    """Each chip group of the cluster planned alone (same search, same cost model)."""
-    from h2jax.planner.search import candidate_plan, top_k  # late: search does not need baselines
+    """Each chip group of the cluster planned alone (same search, same cost model).
+    `at_once` > 1: that many groups searched at once, each in a process of its own (and one
+    process each: `search_kwargs`' workers are then not used), the same plans."""
+    from h2jax.planner.search import candidate_plan  # late: search does not need baselines
+    from h2jax.planner.workers import Pool
 
     model = get_config(model)
     schedule = search_kwargs.get("schedule", "1f1b")
+    calls = [(cluster.only(name), model, seq_len, global_batch, search_kwargs) for name in cluster.counts]
+    if at_once > 1 and len(calls) > 1:
+        kwargs = {**search_kwargs, "workers": 1}
+        with Pool(min(at_once, len(calls)), "the baselines' search") as pool:
+            found = pool.map(_alone, [call[:-1] + (kwargs,) for call in calls])
+    else:
+        found = [_alone(*call) for call in calls]
     out = {}
-    for name, count in cluster.counts.items():
-        try:
-            (best,), _ = top_k(cluster.only(name), model, seq_len, global_batch, k=1, **search_kwargs)
-        except ConfigError as e:
-            out[name] = Baseline(name, count, global_batch, 0.0, None, None, reason=str(e))
+    for (name, count), best in zip(cluster.counts.items(), found):
+        if isinstance(best, ConfigError):
+            out[name] = Baseline(name, count, global_batch, 0.0, None, None, reason=str(best))
             continue
         tokens_per_s = global_batch * seq_len / best.time_s
         plan = candidate_plan(best, model, seq_len, global_batch, schedule)
         out[name] = Baseline(name, count, global_batch, tokens_per_s, best.time_s, plan)
     return out
+
+
+def _alone(cluster: Cluster, model: Any, seq_len: int, global_batch: int, search_kwargs: dict) -> Any:
+    """The best plan (search.Candidate) of a one-type cluster, or the ConfigError that says
+    why it has none."""
+    from h2jax.planner.search import top_k  # late: search does not need baselines
+
+    try:
+        (best,), _ = top_k(cluster, model, seq_len, global_batch, k=1, **search_kwargs)
+    except ConfigError as e:
+        return e
+    return best
 
 
 def hetero_speedup_ratio(tokens_per_s: float, baselines: Mapping[str, Baseline]) -> float | None:

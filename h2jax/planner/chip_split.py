@@ -58,15 +58,15 @@ import dataclasses
 import heapq
 import itertools
 import math
-import os
 import signal
 import time
 from typing import Callable, Mapping, Sequence
 
 from h2jax.planner import dual_search
 from h2jax.planner.mixed_shapes import merged
-from h2jax.planner.space import TIME_LIMIT, Candidate, Context, PlannerError, SearchStats, schedule_label
+from h2jax.planner.space import TIME_LIMIT, Candidate, Context, SearchStats, schedule_label
 from h2jax.planner.split import OutOfTime, TopK
+from h2jax.planner.workers import Pool
 
 NODE_DIVES = 0  # a node search's dives for incumbents (dual_search.DIVE_BATCHES): none, the best so far seeds it
 SEP = "#"  # virtual type names: "<chip>#1", "<chip>#2"
@@ -342,22 +342,9 @@ def prove(ctx: Context, micro_batches: Sequence[int], incumbent: Candidate | Non
 _WORKER: tuple | None = None  # in a pool's process: (context, micro-batch sizes)
 
 
-def _start_worker(ctx: Context, micro_batches: Sequence[int]) -> None:
-    import multiprocessing
-    import signal
-    import threading
-
+def _hold(ctx: Context, micro_batches: Sequence[int]) -> None:
     global _WORKER
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's: it ends the pool
     _WORKER = (ctx, micro_batches)
-    parent = multiprocessing.parent_process()
-    if parent is not None:  # a planner that dies (kill -9) takes its workers with it, mid-node too
-        threading.Thread(target=_exit_with, args=(parent,), name="h2jax-proof-parent", daemon=True).start()
-
-
-def _exit_with(parent) -> None:
-    parent.join()  # returns when the parent process has ended
-    os._exit(1)
 
 
 def _work(node: _Node, best: Candidate | None, seconds_left: float, cutoff: float) -> _Outcome:
@@ -366,20 +353,16 @@ def _work(node: _Node, best: Candidate | None, seconds_left: float, cutoff: floa
 
 
 class _NodePool:
-    """Processes that search nodes at once (`_search_node`). Each gets the context once, its
-    caches empty (a process builds the tables of the nodes it searches and keeps them for the
-    next), then per node its bounds, start boxes and the best plan so far when it was handed
-    out: a node searched against an older best plan is still searched exactly (it may split
-    where a newer one would have closed it). Spawned, not forked: the caller may hold threads.
-    A worker that dies fails the proof (BrokenProcessPool) instead of leaving it waiting."""
+    """Processes that search nodes at once (`_search_node`; `workers.Pool`: spawned, a dead
+    worker fails the proof with one error). Each gets the context once, its caches empty (a
+    process builds the tables of the nodes it searches and keeps them for the next), then per
+    node its bounds, start boxes and the best plan so far when it was handed out: a node
+    searched against an older best plan is still searched exactly (it may split where a newer
+    one would have closed it)."""
 
     def __init__(self, ctx: Context, micro_batches: Sequence[int], workers: int) -> None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         fresh = dataclasses.replace(ctx, _terms={}, _sends={}, _options={}, _caps={}, _per_type={})
-        self._pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _start_worker,
-                                         (fresh, list(micro_batches)))
+        self._pool = Pool(workers, "the two-shape proof", _hold, (fresh, list(micro_batches)))
 
     def submit(self, node: _Node, best: Candidate | None, deadline: float, cutoff: float = math.inf):
         left = deadline - time.perf_counter() if math.isfinite(deadline) else math.inf  # (clocks are per process)
@@ -388,21 +371,13 @@ class _NodePool:
     def next_done(self, running: dict) -> tuple[_Node, _Outcome]:
         """The next node whose search ended and how, taken off `running` (order -> (node, future))."""
         from concurrent.futures import FIRST_COMPLETED, wait
-        from concurrent.futures.process import BrokenProcessPool
 
         futures = {future: order for order, (_, future) in running.items()}
         done, _ = wait(futures, return_when=FIRST_COMPLETED)
         future = min(done, key=futures.get)
         node, _ = running.pop(futures[future])
-        try:
-            return node, future.result()
-        except BrokenProcessPool:
-            raise PlannerError(
-                "a process of the two-shape proof died (killed, e.g. out of memory) before its node was searched; "
-                "run again with fewer processes (--jobs, `proof_workers`) or one (--jobs 1)") from None
+        return node, self._pool.result(future)
 
     def close(self) -> None:
         """Stop the workers now, a node search under way too (on an error or Ctrl-C here)."""
-        for process in list((getattr(self._pool, "_processes", None) or {}).values()):
-            process.terminate()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()

@@ -85,6 +85,12 @@ def predict(
     }
 
 
+# `plan_cluster` searches the baselines at once (`workers` > 1) where its own search took this
+# long: on the 768-chip cluster and up each type alone takes tenths of a second (auto, two
+# shapes), on 64 chips hundredths, and starting processes would cost more than they save
+BASELINES_AT_ONCE_AFTER_S = 1.5
+
+
 def plan_cluster(
     cluster: Cluster,
     model: ModelConfig | str,
@@ -105,7 +111,7 @@ def plan_cluster(
     virtual_stages: int | None = None,
     mixed_shapes: bool = True,
     prove_two_shapes: bool = False,
-    proof_workers: int = 1,
+    workers: int = 1,
     proof_progress: Callable[[ProofProgress], None] | None = None,
 ) -> PlanResult:
     """The fastest plan for `cluster` under the cost model, with homogeneous baselines.
@@ -115,8 +121,9 @@ def plan_cluster(
     a different batch, labelled batch-mismatched; the ratio always uses the matched ones.
     `mixed_shapes` (default) lets a chip type's stages take two shapes (search.top_k);
     `prove_two_shapes` proves the plan optimal among those (chip_split.prove, within the time
-    limit; `proof_workers` processes at once; `proof_progress` hears from the plan's proof
-    after each node). The baselines are searched the same way, but not proved where Ctrl-C
+    limit; `proof_progress` hears from the plan's proof after each node). `workers`: processes
+    the search may use at once (search.top_k: `--schedule auto`'s schedules after the first,
+    the proof's nodes). The baselines are searched the same way, but not proved where Ctrl-C
     stopped the plan's proof (search.top_k: the plan is then the best found).
     """
     model = get_config(model)
@@ -126,7 +133,7 @@ def plan_cluster(
         schedule=schedule, exhaustive=exhaustive, profile=profile,
         micro_batches=micro_batches, recompute=recompute, options=options, time_limit_s=time_limit_s,
         virtual_stages=virtual_stages, mixed_shapes=mixed_shapes, prove_two_shapes=prove_two_shapes,
-        proof_workers=proof_workers,
+        workers=workers,
     )
     candidates, stats = top_k(cluster, model, seq_len, global_batch, k=k, proof_progress=proof_progress,
                               **search_kwargs)
@@ -172,13 +179,18 @@ def plan_cluster(
     base: dict[str, Baseline] = {}
     ratio = None
     fixed = None
+    # the baselines at once, each in a process of its own, where the plan's search took long
+    # enough that each type alone takes a good part of a second (and not proved: the proofs
+    # use the processes themselves)
+    large = stats.search_time_s >= BASELINES_AT_ONCE_AFTER_S
+    at_once = workers if large and not search_kwargs["prove_two_shapes"] else 1
     if baselines:
-        base = homogeneous_baselines(cluster, model, seq_len, global_batch, **search_kwargs)
+        base = homogeneous_baselines(cluster, model, seq_len, global_batch, at_once, **search_kwargs)
         ratio = hetero_speedup_ratio(predicted["tokens_per_s"], base)
         predicted["hetero_speedup_ratio"] = ratio
         predicted["baselines"] = {c: b.to_dict(batch_matched=True) for c, b in base.items()}
         if baseline_global_batch is not None:
-            fixed = homogeneous_baselines(cluster, model, seq_len, baseline_global_batch, **search_kwargs)
+            fixed = homogeneous_baselines(cluster, model, seq_len, baseline_global_batch, at_once, **search_kwargs)
             fixed_ratio = hetero_speedup_ratio(predicted["tokens_per_s"], fixed)
             predicted["fixed_batch_baselines"] = {c: b.to_dict(batch_matched=False) for c, b in fixed.items()}
             predicted["hetero_speedup_ratio_batch_mismatched"] = fixed_ratio

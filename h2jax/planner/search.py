@@ -41,7 +41,7 @@ import dataclasses
 import itertools
 import math
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from h2jax.planner.space import (  # noqa: F401  (re-exported: the planner's pub
     micro_batches_of, pipeline_order, schedule_label, tensor_sizes,
 )
 from h2jax.planner.split import OutOfTime, TopK, best_split, solve, stage_list_sends  # noqa: F401
+from h2jax.planner.workers import Pool
 from h2jax.schedules import AUTO, get_schedule, variants
 from h2jax.cluster import Cluster
 
@@ -246,7 +247,7 @@ def top_k(
     virtual_stages: int | None = None,
     mixed_shapes: bool = False,
     prove_two_shapes: bool = False,
-    proof_workers: int = 1,
+    workers: int = 1,
     proof_progress: Callable[[chip_split.ProofProgress], None] | None = None,
 ) -> tuple[list[Candidate], SearchStats]:
     """The k fastest stage lists (each with its best layer split), fastest first.
@@ -258,14 +259,16 @@ def top_k(
     names one) but those never faster than another one it searches (`Schedule.no_faster_than`,
     GPipe's 1F1B: `stats.schedules_left_out`), and returns the fastest plans over all of them;
     `stats.schedule_times` holds each one's best time; a time limit bounds the whole search,
-    shared among them.
+    shared among them. With `workers` > 1 the schedules after the first are searched at once,
+    in that many processes (`_Rest`), where the first's exact search took PARALLEL_AFTER_S:
+    the same plans and times as one after the other.
 
     `mixed_shapes` lets a chip type's stages take two shapes: the fast search refines its
     REFINE_STARTS best plans by a local search (mixed_shapes.refine; `stats.one_shape_time_s`
     keeps the best plan with one shape per type, which is what `proved_optimal` speaks of) and
     the exhaustive reference enumerates every two-shape stage list. `prove_two_shapes` (with
     `mixed_shapes`) then proves the best plan optimal in the two-shape space
-    (chip_split.prove; `stats.two_shapes_proved`), within the time limit; `proof_workers`
+    (chip_split.prove; `stats.two_shapes_proved`), within the time limit; `workers`
     processes search its nodes at once once it has run a second (spawned: they import the
     main module, so a script calls this under `if __name__ == "__main__":`), and
     `proof_progress` hears from it after each node (chip_split.ProofProgress). Several
@@ -277,9 +280,8 @@ def top_k(
     """
     if k < 1:
         raise PlannerError(f"k must be >= 1, got {k}")
-    if not isinstance(proof_workers, int) or proof_workers < 1:
-        raise PlannerError(f"proof_workers must be a whole number >= 1 (processes for the two-shape proof), "
-                           f"got {proof_workers!r}")
+    if not isinstance(workers, int) or workers < 1:
+        raise PlannerError(f"workers must be a whole number >= 1 (processes for the search), got {workers!r}")
     mixed_shapes = mixed_shapes or prove_two_shapes
     try:
         runs = variants(schedule)
@@ -295,13 +297,14 @@ def top_k(
     if len(runs) == 1 and not left_out:
         return _top_k_one(cluster, model, seq_len, global_batch, k, *runs[0], exhaustive, profile,
                           micro_batches, recompute, options, time_limit_s, mixed_shapes, prove_two_shapes,
-                          proof_workers, proof_progress)
+                          workers, proof_progress)
     stats = SearchStats(lower_bound_s=math.inf, schedules_left_out=left_out)
     errors: list[PlannerError] = []
     # One limit for the whole search: each schedule gets an equal share of the time left, so a
     # slow one cannot starve those after it (the proofs, after every search, take what is left:
     # `_prove_all`).
-    end = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    started = time.perf_counter()
+    end = None if time_limit_s is None else started + time_limit_s
 
     def share(done: int, of: int) -> float | None:
         return None if end is None else max(1e-3, (end - time.perf_counter()) / (of - done))
@@ -314,20 +317,41 @@ def top_k(
     runs = sorted(runs, key=lambda run: run[0] != "1f1b")
     best_so_far = TopK(k)  # (a later schedule's local search starts from its lists that beat them)
     searched: list[_Searched] = []
-    for idx, (name, v) in enumerate(runs):
-        try:
-            one = _search_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
-                              micro_batches, recompute, options, share(idx, len(runs)), mixed_shapes,
-                              best_so_far.bound, searched[0].ctx if searched else None)
-        except PlannerError as e:
-            errors.append(e)
-            continue
-        searched.append(one)
-        if one.sets_cutoff:
-            for cand in one.one_shape:
-                best_so_far.push(cand)
+    common = (cluster, model, seq_len, global_batch, k, exhaustive, profile, micro_batches, recompute, options)
+    # the schedules after the first at once (`_Rest`), from the end of the first's exact search
+    at_once = workers > 1 and not exhaustive and len(runs) > 2
+    rest = _Rest(common, runs[1:], mixed_shapes, workers) if at_once else None
+
+    def after_exact(ctx: Context, one_shape: list[Candidate]) -> None:  # the first's, before its local search
+        if time.perf_counter() - started < PARALLEL_AFTER_S or not ctx.sched.closed_form.exact:
+            return  # (a small search: one after the other; an inexact first sets no cutoff)
+        cutoff = TopK(k)
+        for cand in one_shape:
+            cutoff.push(cand)
+        rest.start(cutoff.bound, share(1, len(runs)), ctx)
+
+    try:
+        for idx, (name, v) in enumerate(runs):
+            try:
+                exact = rest.outcome(idx - 1) if idx and rest is not None and rest.started else None
+                if isinstance(exact, PlannerError):
+                    raise exact
+                one = _search_one(cluster, model, seq_len, global_batch, k, name, v, exhaustive, profile,
+                                  micro_batches, recompute, options, share(idx, len(runs)), mixed_shapes,
+                                  best_so_far.bound, searched[0].ctx if searched else None, exact,
+                                  after_exact if idx == 0 and rest is not None else None)
+            except PlannerError as e:
+                errors.append(e)
+                continue
+            searched.append(one)
+            if one.sets_cutoff:
+                for cand in one.one_shape:
+                    best_so_far.push(cand)
+    finally:
+        if rest is not None:
+            rest.close()
     if prove_two_shapes and not exhaustive:
-        _prove_all(searched, k, end, proof_workers, proof_progress)
+        _prove_all(searched, k, end, workers, proof_progress)
     found: list[Candidate] = []
     for one in searched:
         st = one.stats
@@ -350,6 +374,8 @@ def top_k(
                 stats.two_shapes_stopped = st.two_shapes_stopped or stats.two_shapes_stopped
     if not found:
         raise errors[0]
+    # (the whole search's wall time: the schedules' own times add up to more where workers ran them)
+    stats.search_time_s = time.perf_counter() - started
     found.sort(key=lambda c: c.time_s)
     found = _zb_h1_confirmed(found, cluster, model, seq_len, global_batch, profile, options, stats)
     return found[:k], stats
@@ -417,12 +443,15 @@ class _Searched:
 
 def _search_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
-    options, time_limit_s, mixed_shapes=False, cutoff=math.inf, terms_of=None,
+    options, time_limit_s, mixed_shapes=False, cutoff=math.inf, terms_of=None, exact=None, after_exact=None,
 ) -> _Searched:
     """One schedule's exact search (and, with `mixed_shapes`, the local search over two shapes
     from its best one-shape lists); with a `cutoff`, only for plans faster than it (none found:
     `found` empty, `stats.lower_bound_s` at least the cutoff where the search finished).
-    `terms_of`: another schedule's context of the same search, whose stage terms it shares."""
+    `terms_of`: another schedule's context of the same search, whose stage terms it shares.
+    `exact`: the exact search's (plans, stats), made elsewhere (`_exact_search`, in a worker)
+    with a cutoff no lower than this one: its plans under this cutoff are this search's.
+    `after_exact(ctx, plans)` hears the exact search's plans before the local search starts."""
     ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
     if terms_of is not None:
         ctx = ctx.sharing_terms(terms_of)
@@ -437,10 +466,17 @@ def _search_one(
         stats.lower_bound_s = found[0].time_s if found else cutoff
     else:
         # two shapes: the local search starts from the REFINE_STARTS best one-shape lists
-        found = one_shape = _search_dual(ctx, mbs, max(k, REFINE_STARTS) if mixed_shapes else k, stats, deadline,
-                                         cutoff)
+        if exact is None:
+            found = _search_dual(ctx, mbs, _exact_k(k, mixed_shapes), stats, deadline, cutoff)
+        else:  # (the k' fastest under a cutoff no lower: those under this one are the k' fastest under it)
+            found, stats = exact
+            found = [c for c in found if c.time_s < cutoff]
+            t0 -= stats.search_time_s
+        one_shape = found
         if not found and stats.proved_optimal:
             stats.lower_bound_s = cutoff  # (infinite without one: nothing fits, below)
+        if after_exact is not None:
+            after_exact(ctx, one_shape)
         if mixed_shapes and found:
             stats.one_shape_time_s = found[0].time_s
             better = refine(ctx, found[:REFINE_STARTS], mbs, stats, deadline)
@@ -457,6 +493,80 @@ def _search_one(
         raise PlannerError(explain_unfit(ctx, mbs))
     stats.schedule_times[found[0].label] = found[0].time_s
     return _Searched(found, one_shape, stats, ctx, mbs, deadline)
+
+
+def _exact_k(k: int, mixed_shapes: bool) -> int:
+    """How many one-shape plans the exact search keeps: k, or the local search's starts."""
+    return max(k, REFINE_STARTS) if mixed_shapes else k
+
+
+# `--schedule auto` searches the schedules after the first at once (`workers` > 1) only where
+# the first took this long: on a small cluster, starting processes costs more than they save
+# (on 2,432 chips the first, 1F1B, takes ~0.8 s and the rest ~3 s together)
+PARALLEL_AFTER_S = 0.25
+
+
+class _Rest:
+    """The exact searches of `runs` (`--schedule auto`'s schedules after the first) at once,
+    each for plans faster than the first's (`start`'s cutoff): workers - 1 of them each in a
+    process of its own, ZB-H1's first (the dearest: 1.5 s against 0.9 s for each interleaved
+    1F1B on 2,432 chips), the rest here, one after the other, once the first's local search is
+    done (`outcome`): the processes start while it runs.
+
+    Searched one after the other, each would have had the cutoff of every schedule before it,
+    no higher: `_search_one` keeps the plans under that, the same as it would have found
+    itself, and runs the local search from them."""
+
+    def __init__(self, common: tuple, runs: Sequence[tuple[str, int]], mixed_shapes: bool, workers: int) -> None:
+        self.common, self.runs, self.mixed_shapes = common, list(runs), mixed_shapes
+        order = sorted(range(len(runs)), key=lambda i: runs[i][0] != "zb-h1")
+        n_away = min(workers - 1, len(runs) - 1)
+        self.away, self.here = order[:n_away], order[n_away:]
+        self.pool: Pool | None = None
+        self.futures: dict = {}
+        self.out: dict[int, Any] | None = None
+        self.started = False
+
+    def start(self, cutoff: float, time_limit_s: float | None, terms_of: Context) -> None:
+        self.cutoff, self.time_limit_s, self.terms_of, self.started = cutoff, time_limit_s, terms_of, True
+        self.pool = Pool(len(self.away), "the search of a schedule")
+        self.futures = {i: self.pool.submit(_exact_search, self.common, *self.runs[i], self.mixed_shapes, cutoff,
+                                            time_limit_s) for i in self.away}
+
+    def outcome(self, i: int) -> Any:
+        """Run i's (plans, stats) or its PlannerError."""
+        if self.out is None:
+            self.out = {j: _exact_search(self.common, *self.runs[j], self.mixed_shapes, self.cutoff,
+                                         self.time_limit_s, self.terms_of) for j in self.here}
+            self.out.update((j, self.pool.result(future)) for j, future in self.futures.items())
+            self.close()
+        return self.out[i]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+def _exact_search(common: tuple, schedule: str, v: int, mixed_shapes: bool, cutoff: float,
+                  time_limit_s: float | None, terms_of: Context | None = None,
+                  ) -> tuple[list[Candidate], SearchStats] | PlannerError:
+    """One schedule's exact search (`_Rest`: in a worker, or here sharing `terms_of`'s stage
+    terms), or the PlannerError it raised."""
+    cluster, model, seq_len, global_batch, k, _, profile, micro_batches, recompute, options = common
+    stats = SearchStats()
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
+    try:
+        ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
+        if terms_of is not None:
+            ctx = ctx.sharing_terms(terms_of)
+        found = _search_dual(ctx, micro_batches_of(global_batch, micro_batches), _exact_k(k, mixed_shapes), stats,
+                             deadline, cutoff)
+    except PlannerError as e:
+        return e
+    stats.search_time_s = time.perf_counter() - t0
+    return found, stats
 
 
 def _prove(one: _Searched, k: int, deadline: float, workers: int, progress, cutoff: float = math.inf) -> None:
@@ -501,12 +611,12 @@ def _prove_all(searched: list[_Searched], k: int, end: float | None, workers: in
 
 def _top_k_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
-    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False, proof_workers=1, proof_progress=None,
+    options, time_limit_s, mixed_shapes=False, prove_two_shapes=False, workers=1, proof_progress=None,
 ) -> tuple[list[Candidate], SearchStats]:
     one = _search_one(cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches,
                       recompute, options, time_limit_s, mixed_shapes)
     if prove_two_shapes and not exhaustive:  # (out of time already where the search was: the root's bound)
-        _prove(one, k, one.deadline, proof_workers, proof_progress)
+        _prove(one, k, one.deadline, workers, proof_progress)
     return one.found, one.stats
 
 
