@@ -118,3 +118,24 @@ def test_a_worker_that_dies_fails_the_search_with_one_clear_error():
     with Pool(1, "the search of a schedule") as pool:
         with pytest.raises(PlannerError, match="a process of the search of a schedule died.*--jobs"):
             pool.result(pool.submit(_die))
+
+
+def test_ctrl_c_while_the_schedules_are_searched_at_once_ends_the_workers(monkeypatch):
+    """KeyboardInterrupt in the planner while a worker searches ZB-H1 (here: in this process's
+    own share of the schedules): it reaches the caller, and no worker is left running."""
+    import multiprocessing
+
+    monkeypatch.setattr(search, "PARALLEL_AFTER_S", 0.0)
+    real = search._search_dual  # (a worker imports its own: only this process's searches see this one)
+
+    def interrupted(ctx, *args):
+        if ctx.schedule != "1f1b":  # this process's share of the schedules after the first
+            assert multiprocessing.active_children()  # the worker is under way
+            raise KeyboardInterrupt
+        return real(ctx, *args)
+
+    monkeypatch.setattr(search, "_search_dual", interrupted)
+    cluster = random_cluster(random.Random(1))
+    with pytest.raises(KeyboardInterrupt):
+        search.top_k(cluster, "tiny", 32, 8, schedule="auto", workers=2)
+    assert not multiprocessing.active_children()
