@@ -132,6 +132,7 @@ def shipped_auto(time_limit: float) -> dict:
         out[cluster.name] = {
             "search_time_s": round(time.perf_counter() - t0, 3),
             "proved_optimal": stats.proved_optimal,
+            "bound_rows": stats.bound_rows,
             "schedule": best.label,
             "step_time_s": round(best.time_s, 4),
             "schedule_times_s": {k: round(v, 4) for k, v in stats.schedule_times.items()},

@@ -489,3 +489,26 @@ def test_under_auto_the_first_proof_gets_the_time_left_less_a_reserve_per_later_
     deadlines.clear()
     S._prove_all(searched, 1, None, 1, None)  # no time limit: none
     assert deadlines == [math.inf] * 3
+
+
+def test_a_search_under_a_cutoff_finds_what_beats_it_without_dives():
+    """A search under a cutoff (`auto`'s schedules after 1F1B) makes no incumbent dives
+    (dual_search.search: the cutoff is its incumbent), so what beats the cutoff only its boxes
+    find. ZB-H1 on the 64-chip cluster (a space far beyond one resolved at its root): under a
+    cutoff just above its optimum it still returns that optimum, proved; under the optimum
+    itself, nothing, proved (no plan beats it)."""
+    from pathlib import Path
+
+    from h2jax.cluster import load_cluster
+    from h2jax.planner.search import _search_dual
+    from h2jax.planner.space import SearchStats, micro_batches_of
+
+    cluster = load_cluster(Path(__file__).resolve().parent.parent / "plans" / "cluster-64.toml")
+    ctx = make_context(cluster, "llama-100b", 4096, 2048, "zb-h1")
+    mbs = micro_batches_of(2048, None)
+    (best,) = _search_dual(ctx, mbs, 1, SearchStats())
+    stats = SearchStats()
+    (under,) = _search_dual(ctx, mbs, 1, stats, cutoff=best.time_s * (1 + 1e-6))
+    assert under.time_s == best.time_s and stats.proved_optimal
+    stats = SearchStats()
+    assert _search_dual(ctx, mbs, 1, stats, cutoff=best.time_s) == [] and stats.proved_optimal
