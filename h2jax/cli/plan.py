@@ -43,9 +43,9 @@ def add_parser(sub) -> None:
                         "thousands: raise --time-limit; "
                         "it shows where it stands, and Ctrl-C stops it and keeps the best plan found)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="processes for the search: --schedule auto's schedules after the first, each in one of "
-                        "its own, and --prove-two-shapes' nodes once the proof has run a second; the same plan "
-                        "with any N (default: the CPUs this process may use)")
+                   help="processes for the search of a large cluster: --schedule auto's schedules after the "
+                        "first and the baselines, each in one of its own, and --prove-two-shapes' nodes once the "
+                        "proof has run a second; the same plan with any N (default: the CPUs this process may use)")
     p.add_argument("--profile", help="measured profile (from `h2jax profile`) to use instead of the analytical model")
     p.add_argument("--top-k", type=int, default=1, help="keep the K best stage lists (listed with --json)")
     p.add_argument("--refine-with-sim", type=int, default=None, metavar="K",

@@ -123,8 +123,10 @@ def plan_cluster(
     `prove_two_shapes` proves the plan optimal among those (chip_split.prove, within the time
     limit; `proof_progress` hears from the plan's proof after each node). `workers`: processes
     the search may use at once (search.top_k: `--schedule auto`'s schedules after the first,
-    the proof's nodes). The baselines are searched the same way, but not proved where Ctrl-C
-    stopped the plan's proof (search.top_k: the plan is then the best found).
+    the proof's nodes; and the baselines, each type in a process of its own, where the plan's
+    search took BASELINES_AT_ONCE_AFTER_S and proved nothing): the same plan with any number.
+    The baselines are searched the same way, but not proved where Ctrl-C stopped the plan's
+    proof (search.top_k: the plan is then the best found).
     """
     model = get_config(model)
     optimizer = dataclasses.replace(optimizer, shard_over_data=shard_optimizer)  # the plan records it
