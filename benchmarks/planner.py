@@ -15,8 +15,9 @@ tiny clusters, and the exact two-shape search on the 64- and 768-chip clusters (
 `--schedule auto` (every schedule proved, one process), and of ZB-H1
 alone on the 64- and 768-chip clusters (one process).
 `shipped_plan_by_workers`: `h2jax plan`'s default run (auto, two shapes, baselines) in one
-process and in `--plan-workers`, in turn. `--random-shipped N` adds N random clusters of 2-4 shipped accelerator types (one search
-each: how many are proved optimal, the total and slowest time, how many take over 1 s).
+process and in `--plan-workers`, in turn. `--random-shipped N` adds N random clusters of 2-4
+shipped accelerator types (one search each: how many are proved optimal, the total and
+slowest time, how many take over 1 s).
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ RUNS = {
     "h2jax plan ... --exhaustive": (PLAN_64 + " --exhaustive", 2, "--exhaustive would evaluate"),
     "h2jax plan ... --one-shape-per-type": PLAN_64 + " --one-shape-per-type",
     "h2jax plan ... --prove-two-shapes": PLAN_64 + " --prove-two-shapes --no-baselines --time-limit 20",
+    "h2jax plan ... --jobs 1": PLAN_64 + " --jobs 1",
     "h2jax plan ... --profile prof.json": Skip("its profile must be measured for llama-7b at seq 2048; the "
                                                  "profile section below measures one and plans with it"),
     "h2jax simulate --plan plans/llama7b-64.json --trace trace.json --plot timeline.png": None,
