@@ -65,13 +65,13 @@ def homogeneous_baselines(
 
     model = get_config(model)
     schedule = search_kwargs.get("schedule", "1f1b")
-    calls = [(cluster.only(name), model, seq_len, global_batch, search_kwargs) for name in cluster.counts]
-    if at_once > 1 and len(calls) > 1:
+    names = list(cluster.counts)
+    if at_once > 1 and len(names) > 1:
         kwargs = {**search_kwargs, "workers": 1}
-        with Pool(min(at_once, len(calls)), "the baselines' search") as pool:
-            found = pool.map(_alone, [call[:-1] + (kwargs,) for call in calls])
+        with Pool(min(at_once, len(names)), "the baselines' search") as pool:
+            found = pool.map(_alone, [(cluster.only(name), model, seq_len, global_batch, kwargs) for name in names])
     else:
-        found = [_alone(*call) for call in calls]
+        found = [_alone(cluster.only(name), model, seq_len, global_batch, search_kwargs) for name in names]
     out = {}
     for (name, count), best in zip(cluster.counts.items(), found):
         if isinstance(best, ConfigError):

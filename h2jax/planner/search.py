@@ -452,9 +452,7 @@ def _search_one(
     `exact`: the exact search's (plans, stats), made elsewhere (`_exact_search`, in a worker)
     with a cutoff no lower than this one: its plans under this cutoff are this search's.
     `after_exact(ctx, plans)` hears the exact search's plans before the local search starts."""
-    ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
-    if terms_of is not None:
-        ctx = ctx.sharing_terms(terms_of)
+    ctx = _context(cluster, model, seq_len, global_batch, schedule, v, profile, options, recompute, terms_of)
     mbs = micro_batches_of(global_batch, micro_batches)
     stats = SearchStats()
     t0 = time.perf_counter()
@@ -466,12 +464,11 @@ def _search_one(
         stats.lower_bound_s = found[0].time_s if found else cutoff
     else:
         # two shapes: the local search starts from the REFINE_STARTS best one-shape lists
-        if exact is None:
-            found = _search_dual(ctx, mbs, _exact_k(k, mixed_shapes), stats, deadline, cutoff)
-        else:  # (the k' fastest under a cutoff no lower: those under this one are the k' fastest under it)
-            found, stats = exact
-            found = [c for c in found if c.time_s < cutoff]
-            t0 -= stats.search_time_s
+        found, stats = _exact(ctx, mbs, k, mixed_shapes, deadline, cutoff) if exact is None else exact
+        # (`exact`, a worker's, was made under a cutoff no lower: its k' fastest under this one
+        # are the k' fastest under it; a search made here has none to drop)
+        found = [c for c in found if c.time_s < cutoff]
+        t0 = time.perf_counter() - stats.search_time_s  # (the exact search's time, wherever it ran)
         one_shape = found
         if not found and stats.proved_optimal:
             stats.lower_bound_s = cutoff  # (infinite without one: nothing fits, below)
@@ -495,9 +492,23 @@ def _search_one(
     return _Searched(found, one_shape, stats, ctx, mbs, deadline)
 
 
-def _exact_k(k: int, mixed_shapes: bool) -> int:
-    """How many one-shape plans the exact search keeps: k, or the local search's starts."""
-    return max(k, REFINE_STARTS) if mixed_shapes else k
+def _context(cluster, model, seq_len, global_batch, schedule, v, profile, options, recompute,
+             terms_of: Context | None) -> Context:
+    """One schedule's search context, sharing `terms_of`'s stage terms where given (another
+    schedule's context of the same search)."""
+    ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
+    return ctx if terms_of is None else ctx.sharing_terms(terms_of)
+
+
+def _exact(ctx: Context, micro_batches: Sequence[int], k: int, mixed_shapes: bool, deadline: float,
+           cutoff: float) -> tuple[list[Candidate], SearchStats]:
+    """The exact one-shape search (dual_search) for the k fastest plans under `cutoff`, or with
+    `mixed_shapes` for the local search's REFINE_STARTS starts; its stats, with its time."""
+    stats = SearchStats()
+    t0 = time.perf_counter()
+    found = _search_dual(ctx, micro_batches, max(k, REFINE_STARTS) if mixed_shapes else k, stats, deadline, cutoff)
+    stats.search_time_s = time.perf_counter() - t0
+    return found, stats
 
 
 # `--schedule auto` searches the schedules after the first at once (`workers` > 1) only where
@@ -551,22 +562,15 @@ class _Rest:
 def _exact_search(common: tuple, schedule: str, v: int, mixed_shapes: bool, cutoff: float,
                   time_limit_s: float | None, terms_of: Context | None = None,
                   ) -> tuple[list[Candidate], SearchStats] | PlannerError:
-    """One schedule's exact search (`_Rest`: in a worker, or here sharing `terms_of`'s stage
-    terms), or the PlannerError it raised."""
+    """One schedule's exact search (`_exact`; `_Rest`: in a worker, or here sharing `terms_of`'s
+    stage terms), or the PlannerError it raised."""
     cluster, model, seq_len, global_batch, k, _, profile, micro_batches, recompute, options = common
-    stats = SearchStats()
-    t0 = time.perf_counter()
-    deadline = t0 + time_limit_s if time_limit_s is not None else math.inf
+    deadline = time.perf_counter() + time_limit_s if time_limit_s is not None else math.inf
     try:
-        ctx = make_context(cluster, model, seq_len, global_batch, schedule, profile, options, recompute, v)
-        if terms_of is not None:
-            ctx = ctx.sharing_terms(terms_of)
-        found = _search_dual(ctx, micro_batches_of(global_batch, micro_batches), _exact_k(k, mixed_shapes), stats,
-                             deadline, cutoff)
+        ctx = _context(cluster, model, seq_len, global_batch, schedule, v, profile, options, recompute, terms_of)
+        return _exact(ctx, micro_batches_of(global_batch, micro_batches), k, mixed_shapes, deadline, cutoff)
     except PlannerError as e:
         return e
-    stats.search_time_s = time.perf_counter() - t0
-    return found, stats
 
 
 def _prove(one: _Searched, k: int, deadline: float, workers: int, progress, cutoff: float = math.inf) -> None:
