@@ -225,6 +225,30 @@ def test_the_watchdog_names_the_silent_rank_and_the_laggard():
         dog.close()
 
 
+def test_a_stall_names_the_rank_that_stopped_beating_after_the_last_step():
+    """The job's last step finished (105) before the stopped rank's last heartbeat (106): the
+    stall reaches the limit first, and the verdict names that rank as silent, not the stall
+    (the MPI test below saw the stall's message under two suites at once). Ranks that still
+    beat leave the stall's verdict as it was."""
+    now = [100.0]
+    dog = StepWatchdog(_FakeComm(), lambda r: f"rank {r}", interval_s=3600, clock=lambda: now[0])
+    dog.interval_s = 1.0  # (its thread sleeps on the first interval: no verdict of its own here)
+    try:
+        os.environ["H2JAX_STEP_TIMEOUT"] = "10"
+        dog.beat(2, 0.5)
+        dog.progress_at = 105.0
+        dog.heard_from(1, 1, 0.5, 106.0)  # its last heartbeat, then SIGSTOP
+        dog.heard_from(2, 2, 0.5, 115.5)
+        verdict = dog.verdict(116.0)
+        assert verdict.startswith("rank 1 sent no heartbeat for 10 s (limit 10 s)"), verdict
+        dog.heard_from(1, 1, 0.5, 115.5)  # both still beat: the stall, naming the laggard
+        verdict = dog.verdict(116.0)
+        assert verdict.startswith("no step finished for 11 s") and "rank 1 at step 1" in verdict, verdict
+    finally:
+        os.environ.pop("H2JAX_STEP_TIMEOUT", None)
+        dog.close()
+
+
 def _mpiexec(n, *args, env=None, timeout=240):
     if not Path(MPIEXEC).exists():
         pytest.skip("mpiexec not found (pip install mpich)")

@@ -30,6 +30,7 @@ MIN_LIMIT_S = 300.0
 STEP_FACTOR = 20.0
 FIRST_STEP_S = 1800.0
 DRAIN_S = 5.0  # how long close() waits for the watched ranks' closing message
+STALE_BEATS = 3  # heartbeats a beating rank cannot miss: one quiet this long when the job stalls is named
 _CLOSING = None  # the message a rank sends when it stops beating
 
 
@@ -142,9 +143,13 @@ class StepWatchdog:
         limit = step_limit(self.slowest)
         silent = [r for r, t in self.heard.items() if now - t > limit]
         if silent:
-            r = silent[0]
-            return (f"{self.describe(r)} sent no heartbeat for {now - self.heard[r]:.0f} s (limit {limit:.0f} s): "
-                    "it is stopped or hung; aborting the job (H2JAX_STEP_TIMEOUT sets the limit)")
+            return self._silent(silent[0], now, limit)
+        # a job with no step for the limit whose rank has also stopped beating (for several
+        # heartbeats): that rank is why. (Its last heartbeat can come after the job's last
+        # finished step, so the stall reaches the limit first: name the rank, not the stall.)
+        quiet = [r for r, t in self.heard.items() if now - t > STALE_BEATS * self.interval_s]
+        if self.rank == 0 and now - self.progress_at > limit and quiet:
+            return self._silent(min(quiet, key=self.heard.get), now, limit)
         if self.rank == 0 and now - self.progress_at > limit:
             steps = {0: self.step, **self.steps}
             behind = min(steps.values())
@@ -153,6 +158,10 @@ class StepWatchdog:
                     + ", ".join(self.describe(r) for r in late) + f" at step {behind}; aborting the job "
                     "(H2JAX_STEP_TIMEOUT sets the limit)")
         return None
+
+    def _silent(self, r: int, now: float, limit: float) -> str:
+        return (f"{self.describe(r)} sent no heartbeat for {now - self.heard[r]:.0f} s (limit {limit:.0f} s): "
+                "it is stopped or hung; aborting the job (H2JAX_STEP_TIMEOUT sets the limit)")
 
     def _abort(self, reason: str) -> None:
         sys.stderr.write(f"h2jax [{self.describe(self.rank)}]: step watchdog: {reason}\n")
