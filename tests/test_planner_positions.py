@@ -127,3 +127,40 @@ def test_dropping_dominated_shapes_keeps_the_dp_minimum():
             full = got
     np.testing.assert_allclose(got, full, rtol=1e-12)
     assert np.isfinite(full).any()
+
+
+@pytest.mark.parametrize("schedule, v", [("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_one_dp_over_a_micro_batch_sizes_ranges_of_lengths_bounds_each_as_alone(schedule, v):
+    """`Boxes.of_groups`: rows of several ranges of pipeline lengths (their own memory caps and
+    the lengths their lists may end at) bounded in one DP give each row the bound its range's
+    boxes alone give, every lambda and corner; the capacity rows too (a row whose corner holds
+    the model in one range and not in another)."""
+    from h2jax.planner import dual_search
+
+    cluster = load_cluster(REPO / "plans" / "cluster-64.toml")
+    ctx = make_context(cluster, "llama-100b", 4096, 2048, schedule, v=v)
+    L, b = ctx.model.n_layers, 2
+    ranges = dual_search.length_ranges(ctx, ctx.global_batch // b)
+    assert len(ranges) >= 3
+    groups, alone = [], []
+    for i, lengths in enumerate(ranges):
+        tables = pos.type_tables(ctx, b, lengths)
+        K = tables[0].steady_a.shape[0]
+        single = np.concatenate([t.steady_a[0] * L / 8 + t.steady_end[0, pos.MID] for t in tables if t.size])
+        V = np.quantile(single, [0.1 + 0.05 * i, 0.7, 1.0])[:, None].repeat(K, 1)
+        tau = np.full(len(V), np.inf)
+        groups.append((tables, V, tau))
+        a = np.concatenate([t.a for t in tables if t.size])
+        lams = np.array([0.0, 0.5 * a.mean(), 2.0 * a.mean()])
+        box = np.repeat(np.arange(len(V)), len(lams))
+        alone.append((box, np.tile(lams, len(V)), pos.lagrangian(pos.Boxes.of(tables, V, tau), L, box, np.tile(lams, len(V)))))
+    merged = pos.Boxes.of_groups(groups)
+    offsets = np.cumsum([0] + [len(g[2]) for g in groups])
+    box = np.concatenate([off + bx for off, (bx, _, _) in zip(offsets, alone)])
+    lams = np.concatenate([lm for _, lm, _ in alone])
+    together = pos.lagrangian(merged, L, box, lams)
+    expected = np.concatenate([value for _, _, value in alone])
+    assert np.isfinite(expected).any() and not np.isfinite(expected).all()  # some corners hold the model, some not
+    np.testing.assert_allclose(together, expected, rtol=1e-12)
+    # the ranges differ where a list may end: with the first range's ends for every row, the bounds differ
+    assert not all((g[0][0].ends == groups[0][0][0].ends).all() for g in groups[1:])

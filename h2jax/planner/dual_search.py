@@ -34,6 +34,10 @@ front block ending only at one of them (`positions.position_holds`). A range's r
 bounded first at the lambda its whole box's bound found (`_bounds`' center, then steps
 beside it), not over a fresh grid: on 2,432 chips, under `auto`'s cutoff, ZB-H1's search then
 bounds 955 rows instead of 1,538 (interleaved 1F1B: 478 and 545 instead of 724 and 798).
+The boxes a generation bounds are bounded per micro-batch size, not per table: those of its
+ranges (and its box over every length) in one DP per lambda round (`pos.Boxes.of_groups`:
+the ranges' tables hold the same shapes, their memory caps and ends per row), where one DP
+per range and round took a call's fixed cost each for a row or two.
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ class _Batch:
 
 
 def _bounds(
-    batch: _Batch, L: int, corners: Sequence[np.ndarray], centers: Sequence[float | None],
+    batch: _Batch | Sequence[_Batch], L: int, corners: Sequence[np.ndarray], centers: Sequence[float | None],
     enough: Sequence[float] | None = None,
 ) -> list[tuple[float, float]]:
     """Per box corner (its thresholds, steady components then tail): (fill bound, lambda).
@@ -129,18 +133,32 @@ def _bounds(
     that bound: most children of a split are; -inf: the center alone), a step either side
     of it, then, where the best was a step, wider steps beyond it, then farther ones while
     the farthest still wins (up to LAMBDA_ROUNDS rounds in all); without a center, a coarse
-    grid, then a finer grid between its best point's neighbours. Each round is one batched DP."""
+    grid, then a finer grid between its best point's neighbours. Each round is one batched DP,
+    over every corner: `batch` is the corners' batch, or one per corner (batches of one
+    micro-batch size, its ranges of lengths: the same shapes, `pos.Boxes.of_groups`)."""
+    batches = [batch] * len(corners) if isinstance(batch, _Batch) else list(batch)
     enough = [math.inf] * len(corners) if enough is None else enough
-    cand = [np.array([c]) if c is not None and c > 0 else batch.lam_grid for c in centers]
+    cand = [np.array([c]) if c is not None and c > 0 else bt.lam_grid for c, bt in zip(centers, batches)]
     stage = ["center" if c is not None and c > 0 else "grid" for c in centers]
     best = [(-math.inf, 0.0)] * len(corners)
     sign = [1.0] * len(corners)
     todo = list(range(len(corners)))
-    corners = np.array(corners)
-    boxes = pos.Boxes.of(batch.tables, corners[:, :-1], corners[:, -1])  # for every round
+    # the corners grouped by batch (a DP row's box: its index in that order), for every round
+    groups: dict[int, list[int]] = {}
+    for i, bt in enumerate(batches):
+        groups.setdefault(id(bt), []).append(i)
+    order = [i for members in groups.values() for i in members]
+    row_of = np.empty(len(order), dtype=np.int64)
+    row_of[order] = np.arange(len(order))
+    corners = np.array(corners)[order]
+    row_batches = [batches[i] for i in order]
+    boxes = pos.Boxes.of_groups([
+        (batches[members[0]].tables, corners[row_of[members], :-1], corners[row_of[members], -1])
+        for members in groups.values()
+    ])
     for _ in range(LAMBDA_ROUNDS):
-        box = np.concatenate([np.full(len(cand[i]), i) for i in todo])
-        vals = _lagrangian_rows(batch, L, boxes, corners, box, np.concatenate([cand[i] for i in todo]))
+        box = np.concatenate([np.full(len(cand[i]), row_of[i]) for i in todo])
+        vals = _lagrangian_rows(row_batches, L, boxes, corners, box, np.concatenate([cand[i] for i in todo]))
         nxt, start = [], 0
         for i in todo:
             c = cand[i]
@@ -182,18 +200,20 @@ MAX_ROWS = 12  # rows per DP call: larger arrays fall out of the caches and cost
 
 
 def _lagrangian_rows(
-    batch: _Batch, L: int, boxes: pos.Boxes, corners: np.ndarray, box: np.ndarray, lams: np.ndarray,
+    batches: Sequence[_Batch], L: int, boxes: pos.Boxes, corners: np.ndarray, box: np.ndarray, lams: np.ndarray,
 ) -> np.ndarray:
-    """pos.lagrangian of rows (box[r]: an index into corners (B, K+1), made into `boxes`) in
-    chunks of at most MAX_ROWS rows."""
+    """pos.lagrangian of rows (box[r]: an index into corners (B, K+1), made into `boxes`, of
+    batches[box[r]]) in chunks of at most MAX_ROWS rows."""
     out = np.empty(len(box))
-    batch.rows += len(box)
+    for i in box.tolist():
+        batches[i].rows += 1
     keys = [c.tobytes() for c in corners]
-    fits = np.array([batch.fits.get(k, -1) for k in keys], dtype=np.int8)
+    fits = np.array([bt.fits.get(k, -1) for bt, k in zip(batches, keys)], dtype=np.int8)
     for start in range(0, len(box), MAX_ROWS):
         sl = slice(start, start + MAX_ROWS)
         out[sl] = pos.lagrangian(boxes, L, box[sl], lams[sl], fits)
-    batch.fits.update(zip(keys, fits.tolist()))
+    for bt, k, f in zip(batches, keys, fits.tolist()):
+        bt.fits[k] = f
     return out
 
 
@@ -573,18 +593,20 @@ def search(
             if math.isfinite(lb):
                 enum.run(batch.corner(batch.v_feasible, 0.0), hi, lam_f, max_leaves=DIVE_LEAVES)
 
-    def push_all(batch: _Batch, boxes: list[tuple[np.ndarray, np.ndarray, float | None, bool]]) -> None:
-        """Bound boxes (lo, hi, lambda to start from, whether that lambda alone will do: a box
-        of `start` bounded again, its lambda already tuned to it) and push those that can win."""
-        found = _bounds(batch, L, [hi for _, hi, _, _ in boxes], [lam for _, _, lam, _ in boxes],
-                        [-math.inf if alone else top.bound - float(batch.weight @ lo) for lo, _, _, alone in boxes])
-        for (lo, hi, _, _), (fill, lam) in zip(boxes, found):
+    def push_all(boxes: list[tuple[_Batch, np.ndarray, np.ndarray, float | None, bool]]) -> None:
+        """Bound boxes (batch, lo, hi, lambda to start from, whether that lambda alone will do:
+        a box of `start` bounded again, its lambda already tuned to it), those of one
+        micro-batch size in one DP per round, and push those that can win."""
+        found = _bounds([bt for bt, *_ in boxes], L, [hi for _, _, hi, _, _ in boxes], [lam for *_, lam, _ in boxes],
+                        [-math.inf if alone else top.bound - float(bt.weight @ lo) for bt, lo, _, _, alone in boxes])
+        for (batch, lo, hi, _, _), (fill, lam) in zip(boxes, found):
             lb = float(batch.weight @ lo) + fill
             if lb < top.bound:
                 heapq.heappush(heap, _Box(lb, next(counter), batch, lo, _shrink(batch, lo, hi, top.bound - lb), lam,
                                           batch.b, lengths=batch.lengths))
 
-    def root(batch: _Batch, lam: float | None = None) -> None:
+    def root(batch: _Batch, lam: float | None = None) -> tuple | None:
+        """A batch's root box (for push_all), or None where it is empty."""
         live = [t for t in batch.tables if t.size]
         # a send counts in every steady component
         send = max(t.send_bytes.max() for t in live) * max(t.link_s_per_byte.max() for t in live)
@@ -592,18 +614,19 @@ def search(
         lo = batch.corner(batch.v_feasible, 0.0)
         if top.heap:  # what the incumbent allows: sum of weight * lo <= its time
             hi = _shrink(batch, lo, hi, top.bound - float(batch.weight @ lo))
-        if (hi > lo).all():
-            push_all(batch, [(lo, hi, lam, False)])
+        return (batch, lo, hi, lam, False) if (hi > lo).all() else None
 
     for lb, v_bal, b in pending:
         heapq.heappush(heap, _Box(lb, next(counter), None, None, None, None, b, v_bal))
     while heap:
-        generation: dict[int, tuple[_Batch, list]] = {}  # per batch (its id), boxes to bound
+        # per micro-batch size, boxes to bound (of its batch over every length, or of its
+        # ranges of lengths: one DP per round for them all)
+        generation: dict[int, list] = {}
         open_boxes: list[_Box] = []  # popped, not done with: being split or resolved
         try:
             if budget is not None:
                 budget.spend(rows=rows_bound())
-            while heap and len(generation) < GENERATION and sum(len(v[1]) for v in generation.values()) < 2 * GENERATION:
+            while heap and len(generation) < GENERATION and sum(map(len, generation.values())) < 2 * GENERATION:
                 box = heapq.heappop(heap)
                 if box.lb >= top.bound:
                     heap.clear()  # every box left is at least as bad
@@ -614,14 +637,16 @@ def search(
                 if box.batch is None:  # a micro-batch size whose turn has come, or a box of `start`
                     batch = build(box.b, box.lengths, box.v_balance)
                     if box.lo is None or batch is None:
-                        if batch is not None:
-                            root(batch, box.lam)
-                        open_boxes.pop()
+                        found = root(batch, box.lam) if batch is not None else None
+                        if found is None:
+                            open_boxes.pop()
+                        else:  # (open until it is bounded)
+                            generation.setdefault(batch.b, []).append(found)
                         continue
                     box = open_boxes[-1] = dataclasses.replace(box, batch=batch)
                 batch = box.batch
                 if not box.fresh:  # a box of `start`: bounded again, with this search's tables and its lambda, first
-                    generation.setdefault(id(batch), (batch, []))[1].append((box.lo, box.hi, box.lam, True))
+                    generation.setdefault(batch.b, []).append((batch, box.lo, box.hi, box.lam, True))
                     continue
                 if batch.ranges and batch.lists > RESOLVE_LISTS:
                     # a box over every length (its root): taken apart into its ranges of lengths,
@@ -651,11 +676,11 @@ def search(
                 mid = 0.5 * (lo[d] + hi[d])
                 upper_lo, lower_hi = lo.copy(), hi.copy()
                 upper_lo[d], lower_hi[d] = mid, mid
-                generation.setdefault(id(batch), (batch, []))[1].extend(
-                    [(lo, lower_hi, box.lam, False), (upper_lo, hi, box.lam, False)]
+                generation.setdefault(batch.b, []).extend(
+                    [(batch, lo, lower_hi, box.lam, False), (batch, upper_lo, hi, box.lam, False)]
                 )
-            for batch, children in generation.values():
-                push_all(batch, children)
+            for children in generation.values():
+                push_all(children)
         except Exception:  # OutOfTime, or a caller's `top` ending the search (chip_split): the bound so far
             stats.lower_bound_s = min([*(b.lb for b in open_boxes), *(b.lb for b in heap)], default=top.bound)
             if left is not None:  # (another context's search builds its own tables)

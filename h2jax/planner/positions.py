@@ -238,12 +238,21 @@ _SENDS = np.array([True, True, False, False])  # roles that send to a next stage
 
 def live_tables(tables: Sequence[TypeTable], V: np.ndarray, tau: np.ndarray) -> list[tuple[TypeTable, np.ndarray]]:
     """Per chip type, the shapes that can hold a stage somewhere in some row, with their caps."""
+    return _live_groups([(tables, V, tau)])
+
+
+def _live_groups(groups: Sequence[tuple[Sequence[TypeTable], np.ndarray, np.ndarray]]) -> list[tuple[TypeTable, np.ndarray]]:
+    """`live_tables` of the rows of several groups (tables, V, tau) in turn, the groups'
+    tables of the same shapes (a micro-batch size's ranges of lengths: only their memory caps
+    and ends differ): per type, the first group's table (the caps u hold every group's)."""
     out = []
-    for t in tables:
+    rows = sum(len(tau) for _, _, tau in groups)
+    for i, t in enumerate(groups[0][0]):
         if not t.size:
-            out.append((t, np.zeros((len(V), 4, 0, t.memcap.shape[-1]))))
+            out.append((t, np.zeros((rows, 4, 0, t.memcap.shape[-1]))))
             continue
-        u = stage_caps(t, V, tau)
+        parts = [stage_caps(tables[i], V, tau) for tables, V, tau in groups]
+        u = parts[0] if len(parts) == 1 else np.concatenate(parts)
         alive = (u >= 1).any(axis=(0, 1, 3))
         if alive.all():
             out.append((t, u))
@@ -421,18 +430,23 @@ def _bits(mask: int) -> list[int]:
     return [t for t in range(mask.bit_length()) if mask >> t & 1]
 
 
-def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) -> np.ndarray:
+def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int,
+            ends: np.ndarray | None = None) -> np.ndarray:
     """min over stage lists of sum_i w_i, per row (inf: none feasible): blocks from the end of
     the pipeline, each chip type in at most one block and the types in any order. F[S][q] is
     the least cost of blocks of exactly the types of S (a bit mask over `tables`) filling the
     last q stages; a block of type t extends F[S] (t not in S) to F[S | t]. Per level |S|
-    and type t, the masks of that level are one batched window minimum."""
+    and type t, the masks of that level are one batched window minimum. `ends` (R, L+1):
+    per row, the lengths a list may have (default: the tables', `TypeTable.ends`)."""
     live = [t for t, table in enumerate(tables) if table.size]
     ans = np.full(R, np.inf)
+    if not live:
+        return ans
+    # (a front block ends the list: only at a length p the schedule runs, the same for every type)
+    ends = tables[live[0]].ends[None] if ends is None else ends  # (R or 1, L+1)
     # per type, the block's own terms where its positions hold a middle stage (else inf): as
     # the front block (first stage at q' + 1) and as a block with more in front of it
-    # (a front block ends the list: only at a length p the schedule runs, `TypeTable.ends`)
-    as_front = {t: np.where(ws[t].mid_ok[..., 1:L] & tables[t].ends[2:], ws[t].Wm[..., 1:L] + ws[t].first[..., 2:], np.inf)
+    as_front = {t: np.where(ws[t].mid_ok[..., 1:L] & ends[:, None, 2:], ws[t].Wm[..., 1:L] + ws[t].first[..., 2:], np.inf)
                 for t in live}
     as_block = {t: np.where(ws[t].mid_ok[..., 1:], ws[t].Wm[..., 1:], np.inf) for t in live}
     front: dict[int, np.ndarray] = {}  # per type, (R, L-1): its cheapest front block in front of q = 1..L-1
@@ -447,8 +461,7 @@ def back_dp(tables: Sequence[TypeTable], ws: Sequence[Weights], L: int, R: int) 
             if level == 0:  # the block is the last: H is finite at q = 0 only, M its value up to k_max
                 M = np.where(np.arange(L) < table.k_max[:, None], (w.last1 - w.Wm[..., 1])[..., None], np.inf)[None]
                 ans = np.minimum(ans, (as_front[t] + M[..., 1:]).min(axis=(0, 2, 3), initial=np.inf))
-                if table.ends[1]:
-                    ans = np.minimum(ans, w.only1.min(axis=1))
+                ans = np.minimum(ans, np.where(ends[:, 1], w.only1.min(axis=1), np.inf))
             else:
                 Fs = np.stack([F[S] for S in masks])[..., 1:L]  # (n, R, L-1): q = 1..L-1 stages behind
                 if t not in front:
@@ -549,12 +562,23 @@ class Boxes:
 
     n: int  # boxes B
     live: list  # per type (table, u, MidSums)
+    ends: np.ndarray | None = None  # (B, L+1) per box, the lengths its lists may have (None: the tables')
 
     @classmethod
     def of(cls, tables: Sequence[TypeTable], V: np.ndarray, tau: np.ndarray) -> "Boxes":
         """The boxes whose upper corners are (V[b], tau[b]): V (B, K) steady components, tau (B,)."""
-        live = undominated(live_tables(tables, V, tau))
-        return cls(len(tau), [(t, u, mid_sums(u)) for t, u in live])
+        return cls.of_groups([(tables, V, tau)])
+
+    @classmethod
+    def of_groups(cls, groups: Sequence[tuple[Sequence[TypeTable], np.ndarray, np.ndarray]]) -> "Boxes":
+        """The boxes of several groups (tables, V, tau) in turn, their tables of the same shapes
+        with their own memory caps and ends (a micro-batch size's ranges of lengths): one DP
+        then bounds rows of every group (a DP call's fixed cost is that of a few rows)."""
+        live = undominated(_live_groups(groups))
+        ends = None
+        if len(groups) > 1:
+            ends = np.concatenate([np.repeat(tables[0].ends[None], len(tau), 0) for tables, _, tau in groups])
+        return cls(sum(len(tau) for _, _, tau in groups), [(t, u, mid_sums(u)) for t, u in live], ends)
 
 
 def lagrangian(
@@ -573,6 +597,6 @@ def lagrangian(
     lam_rows = np.concatenate([np.asarray(lams, dtype=float), np.zeros(len(unknown))])
     capacity = np.arange(len(rows)) >= R
     ws = [weights(t, u, lam_rows, rows, capacity, sums) for t, u, sums in boxes.live]
-    dp = back_dp([t for t, _, _ in boxes.live], ws, L, len(rows))
+    dp = back_dp([t for t, _, _ in boxes.live], ws, L, len(rows), None if boxes.ends is None else boxes.ends[rows])
     fits[unknown] = -dp[R:] >= L
     return np.where(fits[box] > 0, lam_rows[:R] * L + dp[:R], np.inf)
