@@ -17,7 +17,7 @@ from h2jax.planner.cost_model import CostOptions
 from h2jax.planner.mixed_shapes import in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
 from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
-from h2jax.planner.split import Beside, NewShapes, _may_hold, list_bound, list_sums, sums_bound
+from h2jax.planner.split import Beside, NewShapes, TopK, _may_hold, list_bound, list_sums, sums_bound
 
 REPO = Path(__file__).resolve().parent.parent
 C64 = REPO / "plans" / "cluster-64.toml"
@@ -394,3 +394,57 @@ def test_a_proved_one_shape_optimum_spares_the_local_search_every_one_shape_list
         one_shape_lists = [x for x in solved if mixed.one_shape(x)]
         assert bool(one_shape_lists) == (not proved), len(one_shape_lists)
     assert found[True].time_s == found[False].time_s < one.time_s
+
+
+def _block(shapes, chip, stages, data, tensor, recompute):
+    shape = next(o for o in shapes[chip] if (o.data, o.tensor, o.recompute) == (data, tensor, recompute))
+    return dataclasses.replace(shape, stages=stages)
+
+
+def test_a_block_put_on_a_smaller_shape_leaves_its_chips_to_its_types_other_block():
+    """On the 64-chip cluster at micro-batch 2 the local search stopped at H100 8x(1,1,full),
+    A100 8x(2,2), H100 3x(2,4) (238.58 s). The two-shape optimum there, H100 16x(1,1,full),
+    A100 8x(2,2), H100 4x(2,2) (236.40 s), puts the back H100 block on a shape of half the
+    chips and gives the chips it leaves to the front H100 block: one move now (neither half
+    alone is faster), yielded even where the move's list without the grown block is hopeless."""
+    ctx = make_context(load_cluster(C64), "llama-100b", 4096, 2048)
+    L, b = ctx.model.n_layers, 2
+    shapes = {opts[0].chip: opts for opts in ctx.type_shapes(b, prune_unfit=True) if opts}
+    h100, a100 = "nvidia-h100", "nvidia-a100"
+    start = (_block(shapes, h100, 8, 1, 1, "full"), _block(shapes, a100, 8, 2, 2, "none"),
+             _block(shapes, h100, 3, 2, 4, "none"))
+    target = (_block(shapes, h100, 16, 1, 1, "full"), _block(shapes, a100, 8, 2, 2, "none"),
+              _block(shapes, h100, 4, 2, 2, "none"))
+    alone = (_block(shapes, h100, 8, 1, 1, "full"), _block(shapes, a100, 8, 2, 2, "none"),
+             _block(shapes, h100, 4, 2, 2, "none"))  # the back block's half of the move alone
+
+    def time_of(options):
+        top = TopK(1)
+        search.solve(ctx, b, options, top, SearchStats())
+        return top.sorted()[0].time_s
+
+    before = time_of(start)
+    assert time_of(target) < before * (1 - 5e-3) and time_of(alone) > before
+    weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
+    found = {merged(x) for x in moves(start, shapes, ctx.counts, L,
+                                      lambda beside, s, ks: beside.cannot_beat(weight, L, s, ks, before))}
+    assert target in found and alone not in found
+
+
+def test_on_a_small_space_the_local_search_climbs_from_the_micro_batch_sizes_beside_the_best():
+    """The 64-chip cluster's one-shape optimum runs micro-batch 1 and its best three lists
+    too; the two-shape optimum (proved) runs 2, where the best one-shape list is 16 % slower.
+    The local search climbs from the best list at 2 as well (search.NEIGHBOUR_SPACE) and
+    reaches it; from the best three alone it stops 2 % short."""
+    cluster = load_cluster(C64)
+    args = (cluster, "llama-100b", 4096, 2048)
+    (proved,), stats = top_k(*args, prove_two_shapes=True)
+    assert stats.two_shapes_proved and proved.micro_batch == 2
+    (two,), two_stats = top_k(*args, mixed_shapes=True)
+    assert two.time_s == pytest.approx(proved.time_s, rel=1e-12), layout(two)
+    assert two_stats.space_size <= search.NEIGHBOUR_SPACE
+    ones, _ = top_k(*args, k=search.REFINE_STARTS)
+    assert {c.micro_batch for c in ones} == {1}
+    ctx = make_context(*args)
+    alone = refine(ctx, ones, divisors(2048), SearchStats())
+    assert alone.time_s > proved.time_s * 1.01

@@ -118,15 +118,45 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                         most[[s.shape in (o.shape, r.shape) for s in shapes[chip]]] = 0
                     which = np.repeat(np.arange(len(most)), most)
                     ks = np.arange(len(which)) - np.repeat(np.cumsum(most) - most, most) + 1
+                    alive = slice(None)
                     if hopeless is not None and len(ks):  # (all at once)
                         alive = ~hopeless(others, columns[chip].take(which), ks)
-                        which, ks = which[alive], ks[alive]
-                    for j, k in zip(which.tolist(), ks.tolist()):
+                    for j, k in zip(which[alive].tolist(), ks[alive].tolist()):
                         extra = (dataclasses.replace(shapes[chip][j], stages=k),)
                         if side >= 0:
                             yield head + kept + extra + tail
                         if side <= 0 and kept:
                             yield head + extra + kept + tail
+                    if chip == o.chip and not keep and blocks[chip] == MAX_BLOCKS_PER_TYPE:
+                        # the type's other block takes the chips the new one leaves over
+                        other = next(n for n, b in enumerate(rest) if b.chip == chip)
+                        yield from _grown(head, tail, other, room, n_layers, shapes[chip], which, ks,
+                                          columns[chip], hopeless)
+
+
+def _grown(head: tuple[Option, ...], tail: tuple[Option, ...], other: int, room: int, n_layers: int,
+           opts: Sequence[Option], which: np.ndarray, ks: np.ndarray, column: NewShapes,
+           hopeless: Callable[[Beside, NewShapes, np.ndarray], np.ndarray] | None) -> Iterator[tuple[Option, ...]]:
+    """The lists head + (ks[i] stages of opts[which[i]]) + tail with the block `other` of head
+    + tail (of the new block's chip) grown by the stages the chips the new block leaves over
+    of `room` make (at most `n_layers` stages in all), where it grows: a block put on a shape
+    of fewer chips per stage leaves chips its type's other block can take in the same move,
+    a list that may be faster where neither move alone is (the 64-chip cluster's two-shape
+    optimum, micro-batch 2, is one such move from the local search's best list there)."""
+    rest = head + tail
+    block = rest[other]
+    per_new = np.array([opts[j].data * opts[j].tensor for j in which.tolist()], dtype=np.int64)
+    more = np.minimum((room - ks * per_new) // (block.data * block.tensor),
+                      n_layers - sum(o.stages for o in rest) - ks)
+    for grow in np.unique(more[more > 0]).tolist():
+        grown = rest[:other] + (dataclasses.replace(block, stages=block.stages + grow),) + rest[other + 1:]
+        sel = np.flatnonzero(more == grow)
+        w, k = which[sel], ks[sel]
+        if hopeless is not None:
+            alive = ~hopeless(Beside(grown), column.take(w), k)
+            w, k = w[alive], k[alive]
+        for j, n in zip(w.tolist(), k.tolist()):
+            yield grown[:len(head)] + (dataclasses.replace(opts[j], stages=n),) + grown[len(head):]
 
 
 def undominated(shapes: Sequence[Option], m: int, n_layers: int) -> list[Option]:
