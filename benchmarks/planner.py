@@ -17,7 +17,9 @@ alone on the 64- and 768-chip clusters (one process).
 `shipped_plan_by_workers`: `h2jax plan`'s default run (auto, two shapes, baselines) in one
 process and in `--plan-workers`, in turn. `--random-shipped N` adds N random clusters of 2-4
 shipped accelerator types (one search each: how many are proved optimal, the total and
-slowest time, how many take over 1 s).
+slowest time, how many take over 1 s). `--random-two-shapes N`: N random small clusters of
+2-3 shipped accelerator types on which the default two-shape plan (the local search) meets
+the exact two-shape search (in how many it is the proved optimum, its misses).
 """
 
 from __future__ import annotations
@@ -396,6 +398,43 @@ def random_shipped(cases: int, seed: int, time_limit: float) -> dict:
     }
 
 
+def random_two_shapes(cases: int, seed: int, proof_time_limit: float) -> dict:
+    """The default two-shape plan (the local search after the exact one-shape search) against
+    the exact two-shape search (`prove_two_shapes`, within `proof_time_limit` each) on random
+    small clusters of 2-3 shipped accelerator types (8-48 chips each, in multiples of 8),
+    llama-7b or 70b, seq 4096, 1M-4M-token batches, 1F1B: where the proof ends, whether the
+    local search's plan is its optimum and by how much it misses; where it does not, whether
+    the proof found a faster plan (one run each)."""
+    chips = [load_chip(n) for n in known_chips()]
+    accelerators = [c for c in chips if c.platform != "cpu" and c.emulate is None]
+    rng = random.Random(seed)
+    rows, local_s, proof_s = [], [], []
+    for _ in range(cases):
+        picked = rng.sample(accelerators, rng.randint(2, 3))
+        cluster = Cluster(tuple(ChipGroup(c, 8 * rng.randint(1, 6)) for c in picked), name="random")
+        model = rng.choice(["llama-7b", "llama-70b"])
+        batch = rng.choice([1, 2, 4]) * 2**20 // 4096
+        try:
+            t0 = time.perf_counter()
+            (local,), _ = top_k(cluster, model, 4096, batch, mixed_shapes=True)
+            t1 = time.perf_counter()
+            (best,), stats = top_k(cluster, model, 4096, batch, prove_two_shapes=True, time_limit_s=proof_time_limit)
+        except PlannerError:
+            continue
+        local_s.append(t1 - t0)
+        proof_s.append(time.perf_counter() - t1)
+        rows.append((bool(stats.two_shapes_proved), local.time_s / best.time_s - 1))
+    proved = [miss for done, miss in rows if done]
+    return {
+        "cases": cases, "cases_with_a_plan": len(rows), "proofs_ended": len(proved),
+        "local_search_reached_the_proved_optimum": sum(miss <= 1e-9 for miss in proved),
+        "misses": sorted((round(miss, 4) for miss in proved if miss > 1e-9), reverse=True),
+        "proof_found_faster_where_not_ended": sum(miss > 1e-9 for done, miss in rows if not done),
+        "local_search_total_s": round(sum(local_s), 2), "local_search_slowest_s": round(max(local_s, default=0.0), 3),
+        "proof_total_s": round(sum(proof_s), 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--time-limit", type=float, default=60.0, help="per shipped cluster search (s)")
@@ -416,6 +455,11 @@ def main() -> None:
     parser.add_argument("--plan-repeat", type=int, default=2, help="runs of each (in turn)")
     parser.add_argument("--random-shipped", type=int, default=0,
                         help="random clusters of 2-4 shipped accelerator types to search (one run each)")
+    parser.add_argument("--random-two-shapes", type=int, default=0,
+                        help="random small clusters of 2-3 shipped accelerator types on which the default "
+                             "two-shape plan meets the exact two-shape search (minutes: the proofs)")
+    parser.add_argument("--random-two-shapes-limit", type=float, default=40.0,
+                        help="each of those proofs within this (s)")
     args = parser.parse_args()
     print(json.dumps({
         "model": "llama-100b", "seq_len": 4096, "global_batch_tokens": 8 * 2**20, "schedule": "1f1b",
@@ -435,6 +479,8 @@ def main() -> None:
         **({"shipped_two_shape_proof_zb_h1": shipped_two_shape_proof_zb_h1(args.proof_time_limit)}
            if args.proof_time_limit else {}),
         **({"random_shipped": random_shipped(args.random_shipped, 1, args.time_limit)} if args.random_shipped else {}),
+        **({"random_two_shapes": random_two_shapes(args.random_two_shapes, 7, args.random_two_shapes_limit)}
+           if args.random_two_shapes else {}),
     }))
 
 

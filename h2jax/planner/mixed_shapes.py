@@ -7,8 +7,9 @@ memory per chip) than its back, and chips a shape leaves over may hold a smaller
 each of the best plans with one shape per type, `refine` walks stage lists one move away (`moves`),
 each type's stages in at most two blocks anywhere in the pipeline (a move may put a block, or
 part of one, on the other side of its neighbours: a type may run at both ends) and each new
-block on a shape no other shape of its chip beats on every count (`undominated`), solves each
-list's layer split exactly (`split.solve`, which skips a list its bounds show cannot win)
+block on a shape no other shape of its chip beats on every count (`undominated`; a block put
+whole on another shape of its chip leaves the chips it frees to its type's other block in the
+same move, `_grown`), solves each list's layer split exactly (`split.solve`, which skips a list its bounds show cannot win)
 and moves to the best until no move improves it (`climb`; the first start at each
 micro-batch size climbs against its own time, not the best so far). The result is at least as fast as
 the one-shape optimum; it is not proved optimal among two-shape plans (chip_split.prove
@@ -62,7 +63,9 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
     its chip, or of a neighbouring block's chip, placed next to the kept ones or to that
     neighbour (the chips permitting, at most `n_layers` stages); or the block, or some of its
     stages on its shape, taken out and put in any other place of the pipeline (a type's two
-    blocks may then sit apart, e.g. at both ends, another type between). A split is not made when
+    blocks may then sit apart, e.g. at both ends, another type between); and where the block
+    goes whole to another shape of its chip and its type has a second block, that block grown
+    by the chips the new one leaves over (`_grown`). A split is not made when
     `hopeless(beside, new, ks)` says so: asked once per list of the other blocks
     (`split.Beside`), of every shape and number of stages the new block may take at once (a
     column each: the shapes `split.NewShapes`, the numbers the array ks), it answers per
