@@ -77,8 +77,12 @@ SEP = "#"  # virtual type names: "<chip>#1", "<chip>#2"
 # RANGED_NODE_WORK for a schedule whose search takes its lists apart by pipeline length
 # (ZB-H1, interleaved 1F1B: dual_search.length_ranges): a node then builds and bounds tables
 # per range, a dearer start that every split repeats (ZB-H1 on 768 chips, exploratory: 268 s
-# at 100, 63 s at 300; 1F1B there 22 s at 100, 32 s at 300).
-NODE_WORK = 100.0
+# at 100, 63 s at 300; 1F1B there 22 s at 100, 32 s at 300). Seeded with the optimum itself
+# (the 64-chip cluster's, since the local search reaches it), fewer plans beat the seed and
+# split a node at once, and more nodes run to this limit: 1F1B on 64 chips took 5.0-6.1 s at
+# 50 against 6.9-7.2 s at 100, on 768 chips 24.1-24.8 s against 24.9-26.4 s (exploratory,
+# 2026-12-06, three and two runs of each in turn).
+NODE_WORK = 50.0
 RANGED_NODE_WORK = 300.0
 
 
