@@ -144,13 +144,13 @@ class StepWatchdog:
         silent = [r for r, t in self.heard.items() if now - t > limit]
         if silent:
             return self._silent(silent[0], now, limit)
-        # a job with no step for the limit whose rank has also stopped beating (for several
-        # heartbeats): that rank is why. (Its last heartbeat can come after the job's last
-        # finished step, so the stall reaches the limit first: name the rank, not the stall.)
-        quiet = [r for r, t in self.heard.items() if now - t > STALE_BEATS * self.interval_s]
-        if self.rank == 0 and now - self.progress_at > limit and quiet:
-            return self._silent(min(quiet, key=self.heard.get), now, limit)
         if self.rank == 0 and now - self.progress_at > limit:
+            # a rank that has also stopped beating (for several heartbeats) is why: its last
+            # heartbeat can come after the job's last finished step, so the stall reaches the
+            # limit first. Name the rank, not the stall.
+            quiet = [r for r, t in self.heard.items() if now - t > STALE_BEATS * self.interval_s]
+            if quiet:
+                return self._silent(min(quiet, key=self.heard.get), now, limit)
             steps = {0: self.step, **self.steps}
             behind = min(steps.values())
             late = [r for r, s in steps.items() if s == behind]
