@@ -228,7 +228,7 @@ def _root_bound(ctx: Context, b: int) -> tuple[float, float]:
         return math.inf, math.inf
     # per type (made once per type and chip count): its envelope and staircase
     parts = [
-        ctx.per_type("root", name, b, lambda: (Envelope.of_options(opts, L, 1, m), Staircase(*shape_tables(opts, L, 1, m))))
+        ctx.per_type("root", name, b, lambda: _envelope_and_staircase(shape_tables(opts, L, 1, m)))
         for name, opts in zip(ctx.order, shapes)
     ]
     rest = Envelope.zero()
@@ -238,6 +238,12 @@ def _root_bound(ctx: Context, b: int) -> tuple[float, float]:
     stairs = [stair for _, stair in parts]
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
     return envelope_bound(weight, L, rest, cheapest, stairs), envelope_bottleneck(L, rest)
+
+
+def _envelope_and_staircase(tables: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[Envelope, Staircase]:
+    """A type's envelope and staircase (`_root_bound`) from its shapes' one `shape_tables`."""
+    c, table, fill = tables
+    return Envelope.of_tables(c, table), Staircase(c, table, fill)
 
 
 def _make_batch(ctx: Context, b: int, v_balance: float, bracket: bool,

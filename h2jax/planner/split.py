@@ -177,20 +177,14 @@ class Envelope:
         self.xs, self.hs = xs, hs  # breakpoints (increasing) and the layers held from each on
 
     @classmethod
-    def of_options(
-        cls, options: Sequence[Option], L: int, in_flight: int = 1, m: int | None = None
-    ) -> "Envelope":
-        """The most layers one of `options` holds under a bottleneck v, its stages sitting at
-        the pipeline positions that hold `in_flight`, `in_flight` + 1, ... micro-batches (at
-        least; capped at m, or all `in_flight` when m is None, as under GPipe).
-
-        Options sharing a shape differ only in k, and k stages hold at most the sum of the
-        first k per-position caps min(floor(v/c), cap(f_j)), which grows with k: the envelope
-        of a shape is that of its largest k (see `shape_tables`)."""
-        return cls.of_tables(*shape_tables(options, L, in_flight, m)[:2])
-
-    @classmethod
     def of_tables(cls, c: np.ndarray, table: np.ndarray) -> "Envelope":
+        """The most layers one of some options holds under a bottleneck v, from their
+        `shape_tables` (c, table): their stages sitting at the pipeline positions that hold
+        `in_flight`, `in_flight` + 1, ... micro-batches (at least; capped at m, or all
+        `in_flight` when m is None, as under GPipe). Options sharing a shape differ only in
+        k, and k stages hold at most the sum of the first k per-position caps
+        min(floor(v/c), cap(f_j)), which grows with k: the envelope of a shape is that of
+        its largest k."""
         u = np.arange(1, table.shape[1])
         x = np.concatenate([np.zeros(1), (c[:, None] * u[None, :]).ravel()])
         h = np.concatenate([np.zeros(1), table[:, 1:].ravel().astype(float)])
