@@ -617,3 +617,43 @@ def test_ctrl_c_on_h2jax_plan_writes_the_best_plan_found(tmp_path):
     plan = load_plan(out)
     assert plan.predicted["two_shapes_proved"] is False and plan.predicted["two_shapes_stopped_by"] == "SIGINT"
     assert 0.0 <= plan.predicted["two_shape_lower_bound_s"] <= plan.predicted["step_time_s"]
+
+
+def test_a_node_does_not_solve_again_a_list_an_earlier_search_showed_cannot_beat_its_time(monkeypatch):
+    """A list the walk solved and found no faster than the time to beat is not solved again by
+    a later search of a context that shares the record (a proof's nodes: virtual contexts of
+    one cluster) whose time to beat is no higher: the same plan, no list solved. Where the time
+    to beat is higher (a slower best so far), those lists are solved again; a context with its
+    own record solves them all."""
+    cluster = load_cluster(REPO / "plans" / "cluster-64.toml")
+    ctx = make_context(cluster, "llama-100b", 4096, 2048)
+    mbs = divisors(2048)
+    one = TopK(1)
+    dual_search.search(ctx, mbs, one, SearchStats(), dives=0)
+    slower = one.sorted()[0]  # the one-shape optimum: the H100s split 16 + 16 hold a faster plan
+    node = {"nvidia-h100": (16, 16), "nvidia-a100": (0, 0)}  # every plan within the chips
+    solved = []
+    real = dual_search.solve
+
+    def spy(ctx, b, chosen, top, stats):
+        solved.append(1)
+        return real(ctx, b, chosen, top, stats)
+
+    monkeypatch.setattr(dual_search, "solve", spy)
+
+    def walk(context, seed):
+        solved.clear()
+        top = TopK(1)
+        top.push(seed)
+        dual_search.search(chip_split.virtual_context(context, node), mbs, top, SearchStats(), dives=0)
+        return top.sorted()[0], len(solved)
+
+    best, first = walk(ctx, slower)
+    assert first > 0 and best.time_s < slower.time_s
+    again, none = walk(ctx, best)
+    assert none == 0 and again.time_s == best.time_s
+    _, from_slower = walk(ctx, slower)
+    assert from_slower > 0
+    fresh = dataclasses.replace(ctx, _terms={}, _sends={}, _options={}, _caps={}, _per_type={}, _beaten={})
+    own, all_again = walk(fresh, best)
+    assert all_again > 0 and own.time_s == best.time_s

@@ -196,6 +196,12 @@ class Context:
     # per chip type and its chip count, what is built of its shapes at a micro-batch size
     # (`per_type`): a virtual context (chip_split.py) with a type of the same count shares it
     _per_type: dict = dataclasses.field(default_factory=dict)
+    # stage lists the exact search's walks solved and found no faster than a time to beat:
+    # (micro-batch, ((chip, shape, stages) per block, by the chips' own names)) -> the highest
+    # such time. A list's time does not depend on the cluster's chip counts, so a virtual
+    # context (chip_split.py: a two-shape proof's nodes) shares it: a node need not solve again
+    # what an earlier node's search showed cannot beat a time no lower than its own.
+    _beaten: dict = dataclasses.field(default_factory=dict)
 
     @property
     def sched(self) -> Schedule:
