@@ -464,60 +464,6 @@ def test_a_boxs_lambda_follows_the_dual_past_the_wider_steps(monkeypatch):
     assert calls == [1]  # the center already drops the box
 
 
-def test_a_box_far_below_what_drops_it_keeps_its_first_lambda(monkeypatch):
-    """A corner whose bound after the center round is below `far_below` times a positive
-    `enough` gets no further round (its box will be split whatever its bound); one nearer
-    `enough`, or with `far_below` left at -inf (the default), or with no `enough`, climbs
-    the dual as before."""
-    from h2jax.planner import dual_search as ds
-
-    calls = []
-
-    def rows(batch, L, boxes, corners, box, lams):
-        calls.append(len(lams))
-        return 10.0 - np.abs(np.log(np.asarray(lams) / 5.2))  # concave in log lambda, 10 at 5.2
-
-    monkeypatch.setattr(ds, "_lagrangian_rows", rows)
-    batch = ds._Batch(1, 2, [], 0.0, 1.0, np.array([0.5, 1.0, 2.0]), 1.0, np.array([1.0]), 1.0)
-    corner = [np.array([1.0, 1.0])]
-    center = 10.0 - math.log(5.2)  # ~8.35
-
-    (value, lam), = ds._bounds(batch, 8, corner, [1.0], enough=[100.0], far_below=0.3)
-    assert calls == [1] and lam == 1.0 and value == pytest.approx(center)  # 8.35 < 30: kept
-    for enough, far_below in (([20.0], 0.3), ([100.0], -math.inf), (None, 0.3)):
-        calls.clear()
-        (value, lam), = ds._bounds(batch, 8, corner, [1.0], enough=enough, far_below=far_below)
-        assert calls == [1, 2, 3, 2, 2] and value > center + 1.0  # climbed toward the peak
-
-
-def test_only_a_search_without_a_work_limit_leaves_boxes_far_below_at_their_first_lambda(monkeypatch):
-    """`search` bounds with LAMBDA_FAR_BELOW where it runs to its end, with -inf (every round)
-    where a work limit may stop it: such a search reports its open boxes' bounds (a proof node's)."""
-    from h2jax.planner import dual_search as ds
-    from h2jax.planner.space import SearchStats, divisors
-    from h2jax.planner.split import TopK
-
-    seen = []
-    real = ds._bounds
-
-    def spy(*args, **kwargs):
-        seen.append(args[5] if len(args) > 5 else kwargs.get("far_below", -math.inf))
-        return real(*args, **kwargs)
-
-    from pathlib import Path
-
-    from h2jax.cluster import load_cluster
-
-    monkeypatch.setattr(ds, "_bounds", spy)
-    cluster = load_cluster(Path(__file__).resolve().parent.parent / "plans" / "cluster-64.toml")
-    ctx = make_context(cluster, "llama-100b", 4096, 2048)
-    ds.search(ctx, divisors(2048), TopK(1), SearchStats(), dives=0)
-    assert ds.LAMBDA_FAR_BELOW in seen and ds.LAMBDA_FAR_BELOW > 0
-    seen.clear()
-    ds.search(ctx, divisors(2048), TopK(1), SearchStats(), dives=0, max_work=1e9)
-    assert seen and set(seen) == {-math.inf}
-
-
 def test_under_auto_the_first_proof_gets_the_time_left_less_a_reserve_per_later_proof(monkeypatch):
     """`_prove_all`'s deadlines (a clock injected): the fastest plan's proof, which proves that
     plan's own optimum and is the longest, may run until the time limit's end less

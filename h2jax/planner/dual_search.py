@@ -71,16 +71,6 @@ LAMBDA_STEPS = np.array([-0.02, 0.02])
 LAMBDA_WIDER = np.array([0.06, 0.15, 0.4])
 LAMBDA_FARTHER = np.array([1.5, 2.5])
 LAMBDA_ROUNDS = 5  # rounds in all (batched DPs): center, steps, wider, two farther
-# A box whose bound after a round is below this share of what would drop it (`_bounds`'
-# `enough`) keeps that lambda: a few per cent more from the other rounds cannot drop it, and a
-# search that runs to its end splits or resolves it whatever its bound (its children start
-# from this lambda). On the shipped clusters `auto` then bounds 16-30 % fewer rows, ZB-H1
-# alone 14-58 %, 1F1B 22 % on 64 chips (the same rows on the others); at 0.5 ZB-H1 alone on
-# 1,024 chips took half as long again as at 0.3 (more stage lists walked). Not in a search
-# with a work limit (a two-shape proof's node): the bound it reports when it stops is its open
-# boxes' least (on 64 chips the proof took 177 nodes instead of 97). (A search its deadline
-# stops reports a bound that may be a little looser.)
-LAMBDA_FAR_BELOW = 0.3
 
 
 @dataclasses.dataclass
@@ -135,16 +125,14 @@ class _Batch:
 
 def _bounds(
     batch: _Batch | Sequence[_Batch], L: int, corners: Sequence[np.ndarray], centers: Sequence[float | None],
-    enough: Sequence[float] | None = None, far_below: float = -math.inf,
+    enough: Sequence[float] | None = None,
 ) -> list[tuple[float, float]]:
     """Per box corner (its thresholds, steady components then tail): (fill bound, lambda).
     Any lambda gives a valid bound, the best one the tightest: a known good `centers[i]` (the
     parent box's) alone, then, unless that already reaches `enough[i]` (the box is dropped at
     that bound: most children of a split are; -inf: the center alone), a step either side
     of it, then, where the best was a step, wider steps beyond it, then farther ones while
-    the farthest still wins (up to LAMBDA_ROUNDS rounds in all), but no further round for a
-    corner whose bound is below `far_below` times a positive `enough[i]` (LAMBDA_FAR_BELOW:
-    it will be split whatever its bound); without a center, a coarse
+    the farthest still wins (up to LAMBDA_ROUNDS rounds in all); without a center, a coarse
     grid, then a finer grid between its best point's neighbours. Each round is one batched DP,
     over every corner: `batch` is the corners' batch, or one per corner (batches of one
     micro-batch size, its ranges of lengths: the same shapes, `pos.Boxes.of_groups`)."""
@@ -185,8 +173,6 @@ def _bounds(
                 best[i] = (float(v[j]), float(c[j]))
             if best[i][0] >= enough[i]:
                 continue
-            if stage[i] != "grid" and 0.0 < enough[i] < math.inf and best[i][0] < far_below * enough[i]:
-                continue  # far below: the other rounds would not drop it
             if stage[i] == "grid":
                 cand[i] = np.linspace(c[max(j - 1, 0)], c[min(j + 1, len(c) - 1)], 7)[1:-1]
                 stage[i] = "done"
@@ -567,8 +553,6 @@ def search(
     counter = itertools.count()
     heap: list[_Box] = []
     budget = None if max_work is None else _Budget(max_work)
-    # (a search with a work limit reports its open boxes' bounds: each as tight as it gets)
-    far_below = LAMBDA_FAR_BELOW if budget is None else -math.inf
     # micro-batch sizes by a cheap bound; each one's tables are built when its turn comes
     def root(b: int) -> tuple:
         if time.perf_counter() > deadline:  # a global batch with thousands of divisors takes a while
@@ -626,8 +610,7 @@ def search(
         a box of `start` bounded again, its lambda already tuned to it), those of one
         micro-batch size in one DP per round, and push those that can win."""
         found = _bounds([bt for bt, *_ in boxes], L, [hi for _, _, hi, _, _ in boxes], [lam for *_, lam, _ in boxes],
-                        [-math.inf if alone else top.bound - float(bt.weight @ lo) for bt, lo, _, _, alone in boxes],
-                        far_below)
+                        [-math.inf if alone else top.bound - float(bt.weight @ lo) for bt, lo, _, _, alone in boxes])
         for (batch, lo, hi, _, _), (fill, lam) in zip(boxes, found):
             lb = float(batch.weight @ lo) + fill
             if lb < top.bound:
