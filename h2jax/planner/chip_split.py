@@ -31,15 +31,14 @@ micro-batch sizes' roots again (on the 768-chip cluster: a third fewer bound row
 0.85 times as long). A virtual type's shapes, tables and root bounds are made once per chip
 count and shared by every node (`Context.per_type`), and a stage list an earlier node's walk
 solved and found no faster than the best so far is not solved again (`Context._beaten`: a
-list's time does not depend on the chip counts; the 64- and 768-chip proofs 5-9 % faster);
-a node's search does not dive for
-incumbents (the best so far seeds it; on the 768-chip cluster the proof then reaches a
-tighter bound in the same time). When none is left below the best plan, that
-plan is the optimum of the two-shape space. The relaxation is loose where a few chips more
-make a stage fit (on the 64-chip cluster, llama-100b, the root's virtual optimum is 39 %
-under the real one), so the proof takes many nodes (about 150 on the 768-chip cluster, tens
-of seconds); where the time limit stops it, it reports a valid lower bound (figures:
-docs/planner.md).
+list's time does not depend on the chip counts; side by side, the 64- and 768-chip proofs
+took 0.92-0.95 of the time); a node's search does not dive for incumbents (the best so far
+seeds it; on the 768-chip cluster the proof then reaches a tighter bound in the same time).
+When none is left below the best plan, that plan is the optimum of the two-shape space. The
+relaxation is loose where a few chips more make a stage fit (on the 64-chip cluster,
+llama-100b, the root's virtual optimum is 39 % under the real one), so the proof takes many
+nodes (about 200 on the 768-chip cluster, tens of seconds); where the time limit stops it, it
+reports a valid lower bound (figures: docs/planner.md).
 
 Nodes are independent given the best plan so far, so `prove(workers=N)` searches N at once,
 each in a process of its own (`_NodePool`), once the proof has run POOL_AFTER_S: a node
