@@ -654,6 +654,5 @@ def test_a_node_does_not_solve_again_a_list_an_earlier_search_showed_cannot_beat
     assert none == 0 and again.time_s == best.time_s
     _, from_slower = walk(ctx, slower)
     assert from_slower > 0
-    fresh = dataclasses.replace(ctx, _terms={}, _sends={}, _options={}, _caps={}, _per_type={}, _beaten={})
-    own, all_again = walk(fresh, best)
+    own, all_again = walk(ctx.with_fresh_caches(), best)
     assert all_again > 0 and own.time_s == best.time_s

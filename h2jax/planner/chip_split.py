@@ -367,8 +367,7 @@ class _NodePool:
     one would have closed it)."""
 
     def __init__(self, ctx: Context, micro_batches: Sequence[int], workers: int) -> None:
-        fresh = dataclasses.replace(ctx, _terms={}, _sends={}, _options={}, _caps={}, _per_type={}, _beaten={})
-        self._pool = Pool(workers, "the two-shape proof", _hold, (fresh, list(micro_batches)))
+        self._pool = Pool(workers, "the two-shape proof", _hold, (ctx.with_fresh_caches(), list(micro_batches)))
 
     def submit(self, node: _Node, best: Candidate | None, deadline: float, cutoff: float = math.inf):
         left = deadline - time.perf_counter() if math.isfinite(deadline) else math.inf  # (clocks are per process)

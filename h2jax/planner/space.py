@@ -203,6 +203,12 @@ class Context:
     # what an earlier node's search showed cannot beat a time no lower than its own.
     _beaten: dict = dataclasses.field(default_factory=dict)
 
+    def with_fresh_caches(self) -> "Context":
+        """This context with every cache (the fields named with a leading underscore) empty:
+        what a worker process starts from, so that it builds only what its own searches need."""
+        return dataclasses.replace(self, **{f.name: type(getattr(self, f.name))()
+                                            for f in dataclasses.fields(self) if f.name.startswith("_")})
+
     @property
     def sched(self) -> Schedule:
         return get_schedule(self.schedule)
