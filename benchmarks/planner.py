@@ -368,13 +368,18 @@ def shipped_two_shape_proof_zb_h1(time_limit: float) -> dict:
     return out
 
 
+def shipped_accelerators() -> list[ChipType]:
+    """The chip files in backends/ but the host CPU and the emulated chips."""
+    chips = [load_chip(n) for n in known_chips()]
+    return [c for c in chips if c.platform != "cpu" and c.emulate is None]
+
+
 def random_shipped(cases: int, seed: int, time_limit: float) -> dict:
     """The search on random clusters of 2-4 shipped accelerator types (backends/ less the
     host CPU and emulated ones; 16-256 chips each, in multiples of 8), llama-7b, 70b or 100b,
     seq 4096, 2M-8M-token batches, 1F1B: how many it proves optimal, its total and slowest
     time and how many take over 1 s (one run each)."""
-    chips = [load_chip(n) for n in known_chips()]
-    accelerators = [c for c in chips if c.platform != "cpu" and c.emulate is None]
+    accelerators = shipped_accelerators()
     rng = random.Random(seed)
     walls, proved, with_plan = [], 0, 0
     for _ in range(cases):
@@ -405,8 +410,7 @@ def random_two_shapes(cases: int, seed: int, proof_time_limit: float) -> dict:
     llama-7b or 70b, seq 4096, 1M-4M-token batches, 1F1B: where the proof ends, whether the
     local search's plan is its optimum and by how much it misses; where it does not, whether
     the proof found a faster plan (one run each)."""
-    chips = [load_chip(n) for n in known_chips()]
-    accelerators = [c for c in chips if c.platform != "cpu" and c.emulate is None]
+    accelerators = shipped_accelerators()
     rng = random.Random(seed)
     rows, local_s, proof_s = [], [], []
     for _ in range(cases):
