@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -27,23 +28,28 @@ SCRIPTS = Path(__file__).parent / "mpi_scripts"
 MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
 
 
-def mpiexec(n: int, script: str, *args: str, timeout: float = 90, env: dict | None = None):
+def mpiexec(n: int, script: str, *args: str, timeout: float = 90, env: dict | None = None,
+            launcher_flags: Sequence[str] = ()):
     if not Path(MPIEXEC).exists():
         pytest.skip("mpiexec not found (pip install mpich)")
     full_env = checkout_env({**os.environ, **(env or {})})  # every rank imports this checkout
     # Each rank sets its own device count; the ranks compile with the tests' fast flags.
     full_env["XLA_FLAGS"] = TEST_XLA_FLAGS
     t0 = time.monotonic()
-    argv = [MPIEXEC, "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
+    argv = [MPIEXEC, *launcher_flags, "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env) as job:
         try:
             out, err = job.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:  # a hang: say all it printed and which processes were left, then end it
             # (-ww: every command whole; cut at 80 columns, the ranks' lines lost the script's name)
-            listing = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,pgid,stat,etime,args"], capture_output=True,
-                                     text=True).stdout.splitlines()
+            # (the launcher's proxies' children too, whatever their command: a dead rank not yet
+            # reaped has none)
+            listing = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,pgid,stat,wchan:24,etime,args"],
+                                     capture_output=True, text=True).stdout.splitlines()
+            proxies = {line.split()[0] for line in listing[1:] if "hydra" in line}
             processes = "\n".join(listing[:1] + [line for line in listing[1:]
-                                                  if any(w in line for w in ("mpiexec", "hydra", script))])
+                                                  if any(w in line for w in ("mpiexec", "hydra", script))
+                                                  or line.split()[1] in proxies])
             job.kill()
             out, err = job.communicate()
             pytest.fail(f"{' '.join(argv[1:])} did not end within {timeout} s\n--- stdout\n{out}\n--- stderr\n{err}"
@@ -152,6 +158,51 @@ def test_a_startup_timeout_too_short_to_start_mpi_is_refused(monkeypatch):
         monkeypatch.setenv("H2JAX_MPI_STARTUP_TIMEOUT", bad)
         with pytest.raises(ConfigError, match=f"H2JAX_MPI_STARTUP_TIMEOUT=.*{why}"):
             default_startup_timeout()
+
+
+def test_h2jax_run_sets_each_ranks_start_up_deadline_before_anything_else(monkeypatch, tmp_path):
+    import argparse
+
+    from h2jax.cli import run as run_cli
+    from h2jax.runtime import ranks
+
+    calls = []
+
+    def load_plan(path):
+        calls.append("plan")
+        raise SystemExit(2)
+
+    monkeypatch.setattr(ranks, "watch_startup", lambda: calls.append("deadline"))
+    monkeypatch.setattr(run_cli, "load_plan", load_plan)
+    args = argparse.Namespace(plan=str(tmp_path / "plan.json"))
+    for in_job, expected in ((True, ["deadline", "plan"]), (False, ["plan"])):
+        calls.clear()
+        monkeypatch.setattr(ranks, "in_mpi_job", lambda: in_job)
+        with pytest.raises(SystemExit):
+            run_cli.main(args)
+        assert calls == expected
+
+
+def test_init_mpi_ends_the_start_up_deadline_also_when_mpi_was_started_already(monkeypatch):
+    import faulthandler
+
+    from h2jax.runtime import ranks
+
+    class Started:
+        COMM_WORLD = "world"
+
+        @staticmethod
+        def Is_initialized():
+            return True
+
+    events = []
+    monkeypatch.setattr(ranks, "_load_mpi_library", lambda: Started)
+    monkeypatch.setattr(ranks, "die_with_parent", lambda: None)
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda timeout, exit: events.append(("arm", timeout)))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: events.append("cancel"))
+    ranks.watch_startup(30.0)
+    assert ranks.init_mpi(30.0) == "world"
+    assert events == [("arm", 30.0), "cancel"]  # no deadline left to end the run later
 
 
 # ----------------------------------------------------------------------------- under mpiexec
@@ -342,22 +393,20 @@ def test_a_too_short_startup_timeout_ends_the_job_before_mpi_starts_with_one_err
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode", ["early", "early_slow_load"])
-def test_a_rank_that_never_starts_mpi_does_not_hang_the_others(mode):
-    # early_slow_load: the MPI library takes the waiting rank 10 s to load, longer than the
-    # start-up timeout. A watchdog armed before the load fired before that rank had joined
-    # the job, and mpiexec does not clean up after a process that never joined: the job hung
-    # until the sleeping rank woke (seen on a loaded CI machine with the 2 s timeout).
-    # The same holds for a watchdog that fires inside MPI_Init before it has reached the
-    # launcher, which took over 1 s on a loaded CI machine (20 ms idle): the timeouts here
-    # leave MPI_Init seconds for that: H2JAX_MPI_STARTUP_TIMEOUT below 5 s is refused. At 5 s
-    # the early_slow_load job hung once more (2026-12-06) with two test suites running at once;
-    # whether MPI_Init had reached the launcher was not known (the process listing cut each
-    # line at 80 columns and lost the ranks), so the timeouts here leave it 10 s, the load 15 s.
-    timeout = {"early": "10", "early_slow_load": "10"}[mode]
-    proc, _ = mpiexec(2, "fail.py", mode, "1", timeout=120, env={"H2JAX_MPI_STARTUP_TIMEOUT": timeout})
+@pytest.mark.parametrize("mode,stuck_in", [
+    ("early", "_mpi_init_waits_for_every_rank_of_the_job"),  # rank 0 waits in MPI_Init
+    ("early_slow_load", "in slow_load"),  # rank 0 misses its own deadline loading the library
+    # The launcher leaves the stuck rank running, as MPICH's hydra once did on a loaded CI
+    # machine (2026-12-06, rank 0 having left MPI_Init after 10 s): before every rank had a
+    # start-up deadline of its own (ranks.watch_startup), the job then hung until it woke.
+    ("early_alone", "_mpi_init_waits_for_every_rank_of_the_job"),
+])
+def test_a_rank_that_never_starts_mpi_does_not_hang_the_others(mode, stuck_in):
+    flags = ["-disable-auto-cleanup"] if mode == "early_alone" else []
+    proc, _ = mpiexec(2, "fail.py", mode, "1", timeout=120, env={"H2JAX_MPI_STARTUP_TIMEOUT": "10"},
+                         launcher_flags=flags)
     assert proc.returncode != 0
-    assert "_mpi_init_waits_for_every_rank_of_the_job" in proc.stderr
+    assert stuck_in in proc.stderr, proc.stderr
 
 
 def test_receive_buffers_are_adopted_and_reused_only_once_jax_has_let_go():

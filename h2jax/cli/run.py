@@ -66,12 +66,15 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from h2jax.runtime import ranks
+
+    if ranks.in_mpi_job():  # a rank stuck before it starts MPI ends itself (ranks.watch_startup)
+        ranks.watch_startup()
     plan = with_overrides(load_plan(args.plan), args)  # validates before JAX starts
     if args.steps < 1:
         raise SystemExit("h2jax run: error: --steps must be >= 1")
     if (args.resume is not False or args.save_every or args.keep) and not args.checkpoint_dir:
         raise SystemExit("h2jax run: error: --resume, --save-every and --keep need --checkpoint-dir DIR")
-    from h2jax.runtime import ranks
     from h2jax.runtime.train import run
 
     # One loop in one process and under mpiexec; only the job's first process reports.

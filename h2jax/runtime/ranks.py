@@ -3,8 +3,9 @@
 `mpiexec -n K h2jax run --plan FILE` starts K processes; stage i owns `stages[i].processes`
 consecutive ranks (`h2jax.transport.mpi.first_ranks`). Before JAX starts, every rank:
 
-1. starts MPI (with a watchdog: a rank that never reaches MPI_Init fails the job instead of
-   hanging it) and checks the job's size against the plan;
+1. starts MPI (with a watchdog: a rank that never reaches MPI_Init, or never gets through
+   it, ends itself instead of hanging the job; see `watch_startup`) and checks the job's
+   size against the plan;
 2. makes any uncaught exception print once, labelled with its rank and stage, and abort the
    whole job (`install_abort_on_error`), so no peer waits forever on a dead rank;
 3. selects its own stage's PJRT platform through `h2jax.backends.select_platforms` (library
@@ -103,27 +104,37 @@ def mpi_rank() -> int:
     return 0
 
 
+def watch_startup(timeout_s: float | None = None) -> None:
+    """End this process -- every thread's stack on standard error, exit status 1 -- unless it
+    reaches MPI_Init within `timeout_s` (H2JAX_MPI_STARTUP_TIMEOUT). `h2jax run` calls it
+    first thing under mpiexec, so that each rank ends itself if it is stuck before it joins
+    the job (an import, a plugin or a file system that hangs). The launcher cannot be relied
+    on for such a rank: MPICH's hydra ends a job's other processes when one that has started
+    MPI fails, but waits for those that never did; and once, on a loaded CI machine, it left a
+    rank that never started MPI running although its peer, which had, had left (why is not
+    known). `init_mpi` replaces this deadline with its own for MPI_Init, then cancels it.
+    Not for a library call: a script's own work before `h2jax.run` is not start-up."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(_startup_timeout(timeout_s), exit=True)
+
+
 def init_mpi(timeout_s: float | None = None):
     """Start MPI and return COMM_WORLD. MPI_Init waits for every rank of the job; if one never
     gets there, exit non-zero instead of hanging. The watchdog is faulthandler's C thread:
-    MPI_Init holds the GIL, so no Python timer could fire.
-
-    The library is loaded first and only MPI_Init runs under the watchdog: a rank whose timer
-    fired while it was still loading libmpi (slow on a loaded machine) would leave before
-    joining the job, and mpiexec does not clean up after a process that never joined it, so
-    the rank that never started would keep the job alive. For the same reason the timeout must
-    leave MPI_Init time to reach the launcher before it waits for the other ranks (20 ms on an
-    idle machine, over a second on a loaded one): H2JAX_MPI_STARTUP_TIMEOUT below
-    MIN_STARTUP_TIMEOUT_S is refused."""
+    MPI_Init holds the GIL, so no Python timer could fire. Any deadline `watch_startup` set
+    covers the way here, the library's load included; MPI_Init then gets one of its own, and
+    none is left once this returns. A rank's own deadlines end it, whether or not the
+    launcher ends the job's other ranks."""
     timeout_s = _startup_timeout(timeout_s)
     die_with_parent()
     mpi = _load_mpi_library()
-    if mpi.Is_initialized():
-        return mpi.COMM_WORLD
     import faulthandler
 
-    faulthandler.dump_traceback_later(timeout_s, exit=True)  # prints where it hung, _exit(1)
     try:
+        if mpi.Is_initialized():
+            return mpi.COMM_WORLD
+        faulthandler.dump_traceback_later(timeout_s, exit=True)  # prints where it hung, _exit(1)
         return _mpi_init_waits_for_every_rank_of_the_job(mpi)
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -265,8 +276,8 @@ def _describe_rank(role: ProcessRole, rank: int) -> str:
     return f"rank {rank} (stage {stage})"
 
 
-# A start-up timeout must leave MPI_Init time to reach the launcher (init_mpi): 20 ms on an
-# idle machine, over a second on a loaded CI machine, where a 1 s timeout hung the job.
+# Start-up takes seconds on a loaded machine (Python's imports, the library's load, MPI_Init):
+# a shorter deadline would fail healthy jobs.
 MIN_STARTUP_TIMEOUT_S = 5.0
 
 
@@ -282,9 +293,9 @@ def default_startup_timeout() -> float:
         ) from None
     if not value >= MIN_STARTUP_TIMEOUT_S:  # (NaN too)
         raise ConfigError(
-            f"H2JAX_MPI_STARTUP_TIMEOUT={raw} is below {MIN_STARTUP_TIMEOUT_S:g} s: MPI_Init itself can take "
-            "over a second on a loaded machine, and a rank that gives up before it has reached the "
-            f"launcher can leave the job hanging; set it to {MIN_STARTUP_TIMEOUT_S:g} or more (default 120)"
+            f"H2JAX_MPI_STARTUP_TIMEOUT={raw} is below {MIN_STARTUP_TIMEOUT_S:g} s: a rank's start-up "
+            "(imports, loading MPI, MPI_Init) takes seconds on a loaded machine, and healthy jobs would "
+            f"fail; set it to {MIN_STARTUP_TIMEOUT_S:g} or more (default 120)"
         )
     return value
 

@@ -9,8 +9,14 @@ usage: mpiexec -n 2 python fail.py MODE BAD_RANK
   early  BAD_RANK is stuck 600 s before it even starts MPI
   early_slow_load  as early, and loading the MPI library takes the other ranks 15 s (as on a
          loaded machine; set H2JAX_MPI_STARTUP_TIMEOUT below that)
+  early_alone  as early, and the launcher does not end BAD_RANK when the others leave: launched
+         with `mpiexec -disable-auto-cleanup`, hydra sends SIGUSR1 instead of SIGKILL, which
+         BAD_RANK ignores
+
+Every rank first sets its start-up deadline, as `h2jax run` does (ranks.watch_startup).
 """
 
+import signal
 import sys
 import time
 
@@ -22,11 +28,14 @@ from h2jax.transport import mpi
 
 mode, bad = sys.argv[1], int(sys.argv[2])
 rank = ranks.mpi_rank()
+ranks.watch_startup()
 plan = plan_from_dict({
     "format_version": 1, "model": "tiny", "seq_len": 4, "global_batch": 2, "micro_batch": 2,
     "stages": [{"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [0, 2]},
                {"chip": "cpu", "mesh": {"data": 1, "tensor": 1}, "layers": [2, 4]}],
 })
+if mode == "early_alone" and rank == bad:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 if mode.startswith("early") and rank == bad:
     time.sleep(600)
 if mode == "early_slow_load":
