@@ -448,7 +448,7 @@ def test_a_boxs_lambda_follows_the_dual_past_the_wider_steps(monkeypatch):
     corner = [np.array([1.0, 1.0])]
 
     monkeypatch.setattr(ds, "_lagrangian_rows", dual(5.2))
-    (value, lam), = ds._bounds(batch, 8, corner, [1.0])
+    (value, lam, _), = ds._bounds(batch, 8, corner, [1.0])
     # 1.02 -> 1.4 (wider) -> x2.5 = 3.57 -> x1.5 = 5.36: within 3 % of the peak
     assert lam == pytest.approx(1.02 * 1.4 * 2.5 * 1.5)
     assert value == pytest.approx(-math.log(lam / 5.2))
@@ -456,12 +456,118 @@ def test_a_boxs_lambda_follows_the_dual_past_the_wider_steps(monkeypatch):
 
     calls.clear()
     monkeypatch.setattr(ds, "_lagrangian_rows", dual(1.005))
-    (value, lam), = ds._bounds(batch, 8, corner, [1.0])
+    (value, lam, _), = ds._bounds(batch, 8, corner, [1.0])
     assert lam == 1.0 and calls == [1, 2]  # neither step beats the center: no wider round
 
     calls.clear()
-    (value, lam), = ds._bounds(batch, 8, corner, [1.0], enough=[-0.5])
+    (value, lam, _), = ds._bounds(batch, 8, corner, [1.0], enough=[-0.5])
     assert calls == [1]  # the center already drops the box
+
+
+def test_a_box_far_below_what_drops_it_keeps_its_lambda_untuned(monkeypatch):
+    """A corner whose bound after the center round is below its `far_below` times a positive
+    `enough` gets no further round and says its lambda is not tuned; one nearer `enough`, or
+    with `far_below` -inf (the default), or with no `enough`, climbs the dual as before."""
+    from h2jax.planner import dual_search as ds
+
+    calls = []
+
+    def rows(batch, L, boxes, corners, box, lams):
+        calls.append(len(lams))
+        return 10.0 - np.abs(np.log(np.asarray(lams) / 5.2))  # concave in log lambda, 10 at 5.2
+
+    monkeypatch.setattr(ds, "_lagrangian_rows", rows)
+    batch = ds._Batch(1, 2, [], 0.0, 1.0, np.array([0.5, 1.0, 2.0]), 1.0, np.array([1.0]), 1.0)
+    corner = [np.array([1.0, 1.0])]
+    center = 10.0 - math.log(5.2)  # ~8.35
+
+    (value, lam, tuned), = ds._bounds(batch, 8, corner, [1.0], enough=[100.0], far_below=[0.3])
+    assert calls == [1] and lam == 1.0 and value == pytest.approx(center) and not tuned  # 8.35 < 30
+    for enough, far_below in (([20.0], [0.3]), ([100.0], [-math.inf]), (None, [0.3])):
+        calls.clear()
+        (value, lam, tuned), = ds._bounds(batch, 8, corner, [1.0], enough=enough, far_below=far_below)
+        assert calls == [1, 2, 3, 2, 2] and value > center + 1.0 and tuned  # climbed toward the peak
+
+
+def _search_cluster_64(max_work=None):
+    """ZB-H1 on the shipped 64-chip cluster, llama-100b."""
+    from pathlib import Path
+
+    from h2jax.cluster import load_cluster
+
+    cluster = load_cluster(Path(__file__).resolve().parent.parent / "plans" / "cluster-64.toml")
+    return _dual_search(cluster, "llama-100b", 2048, "zb-h1", max_work)
+
+
+def _dual_search(cluster, model: str, batch: int, schedule: str, max_work=None):
+    from h2jax.planner import dual_search as ds
+    from h2jax.planner.space import SearchStats, divisors
+    from h2jax.planner.split import TopK
+
+    ctx = make_context(cluster, model, 4096, batch, schedule=schedule)
+    top = TopK(1)
+    ds.search(ctx, divisors(batch), top, SearchStats(), max_work=max_work)
+    return top.sorted()[0]
+
+
+def test_a_box_is_walked_and_split_only_from_a_tuned_lambda(monkeypatch):
+    """`search` leaves far-below boxes' lambdas untuned (LAMBDA_FAR_BELOW), but walks a box
+    only at a tuned lambda (a walk under a poor one reaches far more lists), and bounds the
+    children of an untuned box with every round (far_below -inf), so looseness does not pile
+    up down the splits; the optimum is the one every round finds. The cluster: 4 chip types
+    under llama-7b, where walking at untuned lambdas took the search from 0.8 s past 60 s (the
+    random clusters of benchmarks/planner.py --random-shipped)."""
+    from h2jax.cluster import ChipGroup, Cluster, load_chip
+    from h2jax.planner import dual_search as ds
+
+    cluster = Cluster(tuple(ChipGroup(load_chip(name), n) for name, n in (
+        ("google-tpu-v5e", 224), ("amd-mi300x", 256), ("huawei-ascend-910b", 184), ("nvidia-a100", 32))))
+
+    class Untuned(float):
+        """An untuned lambda as `_bounds` returned it (arithmetic on it gives plain floats)."""
+
+    real_bounds, real_run = ds._bounds, ds._Enumerator.run
+    untuned, walked = [], []
+
+    def bounds(batch, L, corners, centers, enough=None, far_below=None):
+        for c, f in zip(centers, far_below or [-math.inf] * len(corners)):
+            assert not isinstance(c, Untuned) or f == -math.inf
+        out = real_bounds(batch, L, corners, centers, enough, far_below)
+        untuned.extend(lam for _, lam, ok in out if not ok)
+        return [(fill, lam if ok else Untuned(lam), ok) for fill, lam, ok in out]
+
+    def run(self, lo, hi, lam, max_leaves=None):
+        walked.append(type(lam))
+        return real_run(self, lo, hi, lam, max_leaves)
+
+    monkeypatch.setattr(ds, "_bounds", bounds)
+    monkeypatch.setattr(ds._Enumerator, "run", run)
+    best = _dual_search(cluster, "llama-7b", 512, "1f1b")
+    assert untuned and walked and Untuned not in walked
+    monkeypatch.setattr(ds, "LAMBDA_FAR_BELOW", -math.inf)
+    untuned.clear()
+    every_round = _dual_search(cluster, "llama-7b", 512, "1f1b")
+    assert not untuned and best.time_s == pytest.approx(every_round.time_s, rel=1e-12)
+
+
+def test_only_a_search_without_a_work_limit_leaves_boxes_far_below_untuned(monkeypatch):
+    """`search` bounds with LAMBDA_FAR_BELOW where it runs to its end, with -inf (every round)
+    where a work limit may stop it: such a search reports its open boxes' bounds (a proof node's)."""
+    from h2jax.planner import dual_search as ds
+
+    seen = set()
+    real = ds._bounds
+
+    def spy(batch, L, corners, centers, enough=None, far_below=None):
+        seen.update(far_below or [-math.inf])
+        return real(batch, L, corners, centers, enough, far_below)
+
+    monkeypatch.setattr(ds, "_bounds", spy)
+    _search_cluster_64()
+    assert ds.LAMBDA_FAR_BELOW in seen and ds.LAMBDA_FAR_BELOW > 0
+    seen.clear()
+    _search_cluster_64(max_work=1e9)
+    assert seen == {-math.inf}
 
 
 def test_under_auto_the_first_proof_gets_the_time_left_less_a_reserve_per_later_proof(monkeypatch):
