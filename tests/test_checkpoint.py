@@ -486,7 +486,9 @@ def test_under_mpi_kill_during_save_then_resume_on_the_same_and_another_plan(tok
 
 
 def _ranks_of(launcher_pid: int) -> list[int]:
-    """The pids of the `python -m h2jax run` processes under an mpiexec (read from /proc)."""
+    """The pids of the `python -m h2jax run` processes under an mpiexec (read from /proc): an
+    argument that is `h2jax` itself, not a path through a checkout named h2jax (the launcher's
+    proxy runs from the checkout's virtual environment)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -499,7 +501,7 @@ def _ranks_of(launcher_pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             todo.append(child)
             try:
-                if b"h2jax" in Path(f"/proc/{child}/cmdline").read_bytes():
+                if b"h2jax" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
                     found.append(child)
             except OSError:
                 pass
