@@ -78,7 +78,7 @@ LAMBDA_ROUNDS = 5  # rounds in all (batched DPs): center, steps, wider, two fart
 # walked only once its lambda is tuned: the walk prunes by it (walked at its first lambda,
 # that search went past the 60 s limit). Not in a search with a work limit (a two-shape
 # proof's node): the bound it reports when it stops is its open boxes' least. On the shipped
-# clusters `auto` bounds 14-21 % fewer rows, ZB-H1 alone 17-22 %, 1F1B as many (3 % fewer
+# clusters `auto` bounds 14-22 % fewer rows, ZB-H1 alone 17-22 %, 1F1B as many (8 % fewer
 # on 64 chips), the same plans.
 LAMBDA_FAR_BELOW = 0.3
 
