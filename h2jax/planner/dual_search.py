@@ -720,8 +720,9 @@ def search(
                     if not halves:
                         lam, lb = box.lam, box.lb
                         if not box.tuned:  # its lambda tuned first (LAMBDA_FAR_BELOW): the walk prunes by it
-                            (fill, lam, _), = _bounds(batch, L, [hi], [lam], [top.bound - float(batch.weight @ lo)])
-                            lb = float(batch.weight @ lo) + fill
+                            base = float(batch.weight @ lo)
+                            (fill, lam, _), = _bounds(batch, L, [hi], [lam], [top.bound - base])
+                            lb = base + fill
                         if lb < top.bound:
                             _Enumerator(ctx, batch, top, stats, solved, deadline, budget).run(lo, hi, lam)
                     open_boxes.pop()
