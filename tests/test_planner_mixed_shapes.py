@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from h2jax.cli import main as cli_main
-from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_cluster
+from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_chip, load_cluster
 from h2jax.planner import plan_cluster, search
 from h2jax.planner.cost_model import CostOptions
-from h2jax.planner.mixed_shapes import in_space, merged, moves, refine
+from h2jax.planner.mixed_shapes import Shapes, climb, in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
 from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
 from h2jax.planner.split import Beside, NewShapes, TopK, _may_hold, list_bound, list_sums, sums_bound
@@ -434,7 +434,7 @@ def test_a_block_put_on_a_smaller_shape_leaves_its_chips_to_its_types_other_bloc
 def test_on_a_small_space_the_local_search_climbs_from_the_micro_batch_sizes_beside_the_best():
     """The 64-chip cluster's one-shape optimum runs micro-batch 1 and its best three lists
     too; the two-shape optimum (proved) runs 2, where the best one-shape list is 16 % slower.
-    The local search climbs from the best list at 2 as well (search.NEIGHBOUR_SPACE) and
+    The local search climbs from the best list at 2 as well (search.WIDE_SPACE) and
     reaches it; from the best three alone it stops 2 % short."""
     cluster = load_cluster(C64)
     args = (cluster, "llama-100b", 4096, 2048)
@@ -442,9 +442,64 @@ def test_on_a_small_space_the_local_search_climbs_from_the_micro_batch_sizes_bes
     assert stats.two_shapes_proved and proved.micro_batch == 2
     (two,), two_stats = top_k(*args, mixed_shapes=True)
     assert two.time_s == pytest.approx(proved.time_s, rel=1e-12), layout(two)
-    assert two_stats.space_size <= search.NEIGHBOUR_SPACE
+    assert two_stats.space_size <= search.WIDE_SPACE
     ones, _ = top_k(*args, k=search.REFINE_STARTS)
     assert {c.micro_batch for c in ones} == {1}
     ctx = make_context(*args)
     alone = refine(ctx, ones, divisors(2048), SearchStats())
     assert alone.time_s > proved.time_s * 1.01
+
+
+# Two shipped chip types (a random cluster of `benchmarks/planner.py --random-two-shapes`'s
+# kind) whose proved two-shape optimum runs the A100s at both ends, on two shapes, the TPUs
+# between: no move of the narrow neighbourhood improves the one-shape optimum (a new block
+# goes only beside its kept stages or its neighbour); a new block at the front does.
+A100_V5E = (Cluster((ChipGroup(load_chip("nvidia-a100"), 16), ChipGroup(load_chip("google-tpu-v5e"), 24)),
+                    name="a100+v5e"), "llama-70b", 4096, 512)
+
+
+def test_with_anywhere_a_new_block_goes_to_any_place_in_the_pipeline():
+    ctx = make_context(*A100_V5E)
+    (one,), _ = top_k(*A100_V5E)
+    (proved,), stats = top_k(*A100_V5E, prove_two_shapes=True)
+    assert stats.two_shapes_proved and proved.micro_batch == one.micro_batch
+    shapes, L = Shapes(ctx).for_moves(one.micro_batch), ctx.model.n_layers
+    start = merged(one.options)
+    narrow = {merged(x) for x in moves(start, shapes, ctx.counts, L)}
+    wide = {merged(x) for x in moves(start, shapes, ctx.counts, L, anywhere=True)}
+    assert narrow < wide
+    target = merged(proved.options)
+    assert target in wide and target not in narrow, layout(proved)
+
+
+def test_a_stuck_climb_tries_new_blocks_anywhere_on_a_small_space(monkeypatch):
+    """The default plan is the proved two-shape optimum, a type at both ends on two shapes;
+    without the wide search (search.WIDE_SPACE) the local search stays at the one-shape optimum."""
+    (proved,), _ = top_k(*A100_V5E, prove_two_shapes=True)
+    (two,), stats = top_k(*A100_V5E, mixed_shapes=True)
+    assert stats.space_size <= search.WIDE_SPACE
+    assert two.time_s == pytest.approx(proved.time_s, rel=1e-12), layout(two)
+    a, *_, z = two.options
+    assert a.chip == z.chip == "nvidia-a100" and a.shape != z.shape, layout(two)
+    (one,), _ = top_k(*A100_V5E)
+    assert two.time_s < one.time_s * (1 - 5e-3)
+    monkeypatch.setattr(search, "WIDE_SPACE", 0)
+    (narrow,), _ = top_k(*A100_V5E, mixed_shapes=True)
+    assert narrow.time_s == pytest.approx(one.time_s, rel=1e-12), layout(narrow)
+
+
+def test_a_climb_solves_again_a_list_shown_slower_only_than_a_lower_time():
+    """`refine`'s climbs share the lists they solved: a list not kept against one climb's time
+    to beat is solved again by a climb whose time to beat is higher (a start's own climb), so
+    it can still move there. Filled by a climb that must beat a time just under the optimum,
+    `seen` holds the optimum's list; the start's own climb then still reaches it."""
+    ctx = make_context(*A100_V5E)
+    (one,), _ = top_k(*A100_V5E)
+    (proved,), _ = top_k(*A100_V5E, prove_two_shapes=True)
+    seen, shapes, mbs = {}, Shapes(ctx), divisors(512)
+    climb(ctx, one, mbs, shapes, TopK(1, cutoff=proved.time_s * (1 - 1e-6)), seen, SearchStats(), math.inf, wide=True)
+    assert (proved.micro_batch, merged(proved.options)) in seen
+    own = TopK(1)
+    own.push(one)
+    climb(ctx, one, mbs, shapes, own, seen, SearchStats(), math.inf, wide=True)
+    assert own.sorted()[0].time_s == pytest.approx(proved.time_s, rel=1e-12), layout(own.sorted()[0])

@@ -11,7 +11,9 @@ block on a shape no other shape of its chip beats on every count (`undominated`;
 whole on another shape of its chip leaves the chips it frees to its type's other block in the
 same move, `_grown`), solves each list's layer split exactly (`split.solve`, which skips a list its bounds show cannot win)
 and moves to the best until no move improves it (`climb`; the first start at each
-micro-batch size climbs against its own time, not the best so far). The result is at least as fast as
+micro-batch size climbs against its own time, not the best so far; on a small space, a climb
+no move improves tries once more with each new block at any place in the pipeline, not
+only beside its kept stages or its neighbour: `refine`'s `wide`). The result is at least as fast as
 the one-shape optimum; it is not proved optimal among two-shape plans (chip_split.prove
 proves that, in minutes on hundreds of chips; `--exhaustive` enumerates them: docs/planner.md, "Two
 shapes per chip type").
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -56,12 +59,13 @@ def in_space(options: Sequence[Option], counts: Mapping[str, int]) -> bool:
 def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
           counts: Mapping[str, int], n_layers: int,
           hopeless: Callable[[Beside, NewShapes, np.ndarray], np.ndarray] | None = None,
-          ) -> Iterator[tuple[Option, ...]]:
+          anywhere: bool = False) -> Iterator[tuple[Option, ...]]:
     """Stage lists one move from `options` (`in_space` may still reject some): a block one
     stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
     their mesh with their recompute policy or another) given to k stages of another shape of
     its chip, or of a neighbouring block's chip, placed next to the kept ones or to that
-    neighbour (the chips permitting, at most `n_layers` stages); or the block, or some of its
+    neighbour (with `anywhere`, at any place in the pipeline: e.g. a type's new block at the
+    front, its kept one at the back) (the chips permitting, at most `n_layers` stages); or the block, or some of its
     stages on its shape, taken out and put in any other place of the pipeline (a type's two
     blocks may then sit apart, e.g. at both ends, another type between); and where the block
     goes whole to another shape of its chip and its type has a second block, that block grown
@@ -124,8 +128,12 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                     alive = slice(None)
                     if hopeless is not None and len(ks):  # (all at once)
                         alive = ~hopeless(others, columns[chip].take(which), ks)
+                    base = head + kept + tail
                     for j, k in zip(which[alive].tolist(), ks[alive].tolist()):
                         extra = (dataclasses.replace(shapes[chip][j], stages=k),)
+                        if anywhere:
+                            yield from (base[:at] + extra + base[at:] for at in range(len(base) + 1))
+                            continue
                         if side >= 0:
                             yield head + kept + extra + tail
                         if side <= 0 and kept:
@@ -180,21 +188,24 @@ def undominated(shapes: Sequence[Option], m: int, n_layers: int) -> list[Option]
 
 
 def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[int], stats: SearchStats,
-           deadline: float = float("inf")) -> Candidate:
+           deadline: float = float("inf"), wide: bool = False) -> Candidate:
     """The best plan reached from each of `starts` in turn by improving moves: `moves` at its
     micro-batch size, or its stage list at another of `micro_batches` (each shape's data size
     dividing it); the best start itself when no move improves on it. A start at the same
     micro-batch size as an earlier one climbs only through lists faster than the best so far;
     the first start at a micro-batch size climbs against its own time (its part of the space
     differs: other memory caps and in-flight counts, so its climb may pass through lists slower
-    than the best so far to a faster one). Lists solved once are not solved again. Where
+    than the best so far to a faster one). A list is solved again only against a time to beat
+    above the one it was solved against (a start's own climb may need it). With `wide`, a
+    climb that no move improves tries once more with a new block at any place (`moves`'
+    `anywhere`), and goes on from there where that improves. Where
     `stats` says the exact search proved the best of `starts` optimal among one-shape lists,
     lists with one shape per type are not solved: none can beat it. Stops at `deadline`
     (perf_counter seconds) with the best found so far."""
     shapes, top = Shapes(ctx), TopK(1)
     for c in starts:
         top.push(c)
-    seen: set = set()
+    seen: dict = {}  # list -> the time it was shown not to beat (0: it did)
     sizes: set[int] = set()
     for start in starts:
         if time.perf_counter() > deadline:
@@ -202,7 +213,7 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
         own = top if start.micro_batch in sizes else TopK(1)
         own.push(start)
         sizes.add(start.micro_batch)
-        climb(ctx, start, micro_batches, shapes, own, seen, stats, deadline)
+        climb(ctx, start, micro_batches, shapes, own, seen, stats, deadline, wide)
         top.push(own.sorted()[0])
     return top.sorted()[0]
 
@@ -231,31 +242,39 @@ class Shapes:
         return self._moves[b]
 
 
-def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: Shapes, top: TopK, seen: set,
-          stats: SearchStats, deadline: float) -> None:
+def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: Shapes, top: TopK, seen: dict,
+          stats: SearchStats, deadline: float, wide: bool = False) -> None:
     """Hill-climbing from `start`: each round solves every list one move from the current one
-    (not in `seen`) into `top`, and moves to `top`'s best while that improves on the best
-    before the round."""
+    (but those `seen` shows cannot beat `top`) into `top`, and moves to `top`'s best while that
+    improves on the best before the round; with `wide`, a round that does not improve is
+    followed by one with new blocks at any place (`moves`' `anywhere`)."""
     L = ctx.model.n_layers
     current = (start.micro_batch, merged(start.options))
+    anywhere = False
     while True:
         b, options = current
         weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
         tried = itertools.chain(
             ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, shapes.every(b2))] if x),
             ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L,
-                                   lambda beside, s, ks: beside.cannot_beat(weight, L, s, ks, top.bound))))
+                                   lambda beside, s, ks: beside.cannot_beat(weight, L, s, ks, top.bound),
+                                   anywhere)))
         best = top.bound
         for n, (b2, x) in enumerate(tried):
             if n % 256 == 0 and time.perf_counter() > deadline:
                 return
             x = merged(x)
-            if not x or (b2, x) in seen or (stats.proved_optimal and one_shape(x)) or not in_space(x, ctx.counts):
+            if not x or seen.get((b2, x), -math.inf) >= top.bound or (stats.proved_optimal and one_shape(x)) \
+                    or not in_space(x, ctx.counts):
                 continue
-            seen.add((b2, x))
-            solve(ctx, b2, x, top, stats)
+            bound = top.bound
+            seen[(b2, x)] = 0.0 if solve(ctx, b2, x, top, stats) else bound
         if top.bound >= best:
-            return
+            if anywhere or not wide:
+                return
+            anywhere = True  # stuck: once more, new blocks anywhere
+            continue
+        anywhere = False
         found = top.sorted()[0]
         current = (found.micro_batch, merged(found.options))
 

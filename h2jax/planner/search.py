@@ -416,13 +416,18 @@ def _zb_h1_confirmed(found: list[Candidate], cluster, model, seq_len, global_bat
 REFINE_STARTS = 3
 
 
-# The local search also climbs from the best one-shape lists of the micro-batch sizes beside
-# the best's where the one-shape space holds at most this many stage lists: there a stage more
-# or fewer changes a plan the most, and these searches are cheap (measured, 1F1B, llama-100b:
-# on the 64-chip cluster, 6.4e5 lists, they find the two-shape optimum, 2.2 % faster, for 0.35 s
-# more; on the 768-, 1,024- and 2,432-chip clusters, 9e10 to 3e15 lists, they found nothing
-# faster and would cost 0.5 to 2 s)
-NEIGHBOUR_SPACE = 10**8
+# Where the one-shape space holds at most this many stage lists the local search searches
+# wider: it also climbs from the best one-shape lists of the micro-batch sizes beside the
+# best's (`_neighbour_starts`: there a stage more or fewer changes a plan the most, and these
+# searches are cheap), and a climb that no move improves tries once more with a type's new
+# block at any place in the pipeline, not only beside its kept stages or its neighbour
+# (`mixed_shapes.refine`'s `wide`). Measured, 1F1B, llama-100b: on the 64-chip cluster, 6.4e5
+# lists, the neighbour starts find the two-shape optimum, 2.2 % faster, for 0.35 s more; on
+# the 768-, 1,024- and 2,432-chip clusters, 9e10 to 3e15 lists, they found nothing faster and
+# would cost 0.5 to 2 s, and new blocks anywhere 0.15 s more at 2,432 chips. On random small
+# clusters of shipped chips (`benchmarks/planner.py --random-two-shapes`; 3e4 to 7e8 lists)
+# both together reach the proved two-shape optimum in more of them (figures: docs/planner.md).
+WIDE_SPACE = 10**9
 
 
 def _neighbour_starts(ctx: Context, b: int, micro_batches: Sequence[int], starts: Sequence[Candidate],
@@ -504,9 +509,10 @@ def _search_one(
         if mixed_shapes and found:
             stats.one_shape_time_s = found[0].time_s
             starts = found[:REFINE_STARTS]
-            if stats.space_size <= NEIGHBOUR_SPACE:
+            wide = stats.space_size <= WIDE_SPACE
+            if wide:
                 starts = starts + _neighbour_starts(ctx, found[0].micro_batch, mbs, starts, deadline)
-            better = refine(ctx, starts, mbs, stats, deadline)
+            better = refine(ctx, starts, mbs, stats, deadline, wide)
             found = [better] + [c for c in found if c is not better][: k - 1]
     stats.search_time_s = time.perf_counter() - t0
     if not found and math.isfinite(cutoff):  # beaten (or not proved beaten where time ran out)
