@@ -12,7 +12,7 @@ import pytest
 
 from h2jax.cli import main as cli_main
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_chip, load_cluster
-from h2jax.planner import plan_cluster, search
+from h2jax.planner import mixed_shapes, plan_cluster, search
 from h2jax.planner.cost_model import CostOptions
 from h2jax.planner.mixed_shapes import Shapes, climb, in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
@@ -503,3 +503,50 @@ def test_a_climb_solves_again_a_list_shown_slower_only_than_a_lower_time():
     own.push(one)
     climb(ctx, one, mbs, shapes, own, seen, SearchStats(), math.inf, wide=True)
     assert own.sorted()[0].time_s == pytest.approx(proved.time_s, rel=1e-12), layout(own.sorted()[0])
+
+
+# A random cluster of `benchmarks/planner.py --random-two-shapes`' kind whose proved two-shape
+# optimum (micro-batch 8: a TPU v5e stage in front of MI300X stages on two shapes) no climb
+# reaches one move at a time: each stops 2.7 % or more short of it. From the best list of
+# the climb at micro-batch 8, two moves ahead lead to a faster list, and a climb on from it
+# to the optimum.
+MI300X_V5E = (Cluster((ChipGroup(load_chip("amd-mi300x"), 48), ChipGroup(load_chip("google-tpu-v5e"), 16)),
+                      name="mi300x+v5e"), "llama-70b", 4096, 1024)
+
+
+def test_looking_two_moves_ahead_reaches_an_optimum_no_single_move_leads_to(monkeypatch):
+    (proved,), stats = top_k(*MI300X_V5E, prove_two_shapes=True)
+    assert stats.two_shapes_proved
+    (two,), two_stats = top_k(*MI300X_V5E, mixed_shapes=True)
+    assert two_stats.space_size <= search.WIDE_SPACE
+    assert two.time_s == pytest.approx(proved.time_s, rel=1e-12), layout(two)
+    monkeypatch.setattr(mixed_shapes, "_look_ahead", lambda *args: None)
+    (stuck,), _ = top_k(*MI300X_V5E, mixed_shapes=True)
+    assert stuck.time_s > proved.time_s * 1.02, layout(stuck)
+
+
+def test_a_climb_looks_ahead_only_from_the_best_list_it_found(monkeypatch):
+    """A later start at a micro-batch size climbs in the best so far: where no move beats that,
+    it is stuck at its own start, a slower list, and does not look ahead from it; a start's
+    own climb looks ahead once, from its best list, and not again from a list already looked
+    ahead from."""
+    ctx = make_context(*A100_V5E)
+    (one,), _ = top_k(*A100_V5E)
+    (proved,), _ = top_k(*A100_V5E, prove_two_shapes=True)
+    assert proved.time_s < one.time_s
+    calls = []
+    monkeypatch.setattr(mixed_shapes, "_look_ahead", lambda ctx, b, options, *rest: calls.append((b, options)))
+    shapes, mbs = Shapes(ctx), divisors(512)
+    best_so_far = TopK(1)
+    best_so_far.push(proved)
+    climb(ctx, one, mbs, shapes, best_so_far, {}, SearchStats(), math.inf, wide=True)
+    assert calls == []
+    own, looked = TopK(1), set()
+    own.push(one)
+    climb(ctx, one, mbs, shapes, own, {}, SearchStats(), math.inf, wide=True, looked=looked)
+    found = own.sorted()[0]
+    assert calls == [(found.micro_batch, merged(found.options))] and looked == set(calls)
+    again = TopK(1)
+    again.push(found)
+    climb(ctx, found, mbs, shapes, again, {}, SearchStats(), math.inf, wide=True, looked=looked)
+    assert len(calls) == 1

@@ -198,7 +198,8 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
     than the best so far to a faster one). A list is solved again only against a time to beat
     above the one it was solved against (a start's own climb may need it). With `wide`, a
     climb that no move improves tries once more with a new block at any place (`moves`'
-    `anywhere`), and goes on from there where that improves. Where
+    `anywhere`), and goes on from there where that improves; where that does not improve
+    either, it looks two moves ahead (`_look_ahead`) once per list it is stuck at. Where
     `stats` says the exact search proved the best of `starts` optimal among one-shape lists,
     lists with one shape per type are not solved: none can beat it. Stops at `deadline`
     (perf_counter seconds) with the best found so far."""
@@ -206,6 +207,7 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
     for c in starts:
         top.push(c)
     seen: dict = {}  # list -> the time it was shown not to beat (0: it did)
+    looked: set = set()  # the lists a climb looked two moves ahead from
     sizes: set[int] = set()
     for start in starts:
         if time.perf_counter() > deadline:
@@ -213,7 +215,7 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
         own = top if start.micro_batch in sizes else TopK(1)
         own.push(start)
         sizes.add(start.micro_batch)
-        climb(ctx, start, micro_batches, shapes, own, seen, stats, deadline, wide)
+        climb(ctx, start, micro_batches, shapes, own, seen, stats, deadline, wide, looked, top)
         top.push(own.sorted()[0])
     return top.sorted()[0]
 
@@ -242,41 +244,100 @@ class Shapes:
         return self._moves[b]
 
 
+# Two moves ahead (`_look_ahead`, on a space of at most search.WIDE_SPACE lists): from the
+# best list a climb found, where no move improves it, the LOOKAHEAD_LISTS best lists one move
+# away within LOOKAHEAD_GAP of it, and every list one move from each of them. A climb stuck
+# more than LOOKAHEAD_GAP above the best list of the climbs before it does not look ahead.
+# On 59 random small clusters of shipped chips whose two-shape optimum the exact search
+# proved (`benchmarks/planner.py --random-two-shapes`' kind, seeds 42, 8 and 5, exploratory,
+# 2026-12-06), the local search then missed 12 optima against 20, its whole search (the exact
+# one-shape search first) taking about 1.7 times as long. Looking ahead from every list a
+# climb is stuck at (a later start's too, stuck at its start) missed 10, at about 2.2 times;
+# once per micro-batch size, 14 at 1.5 times; 4 lists instead of 6 reached fewer, 8 or 16 no
+# more, dearer.
+LOOKAHEAD_LISTS = 6
+LOOKAHEAD_GAP = 0.05
+
+
+def _neighbours(ctx: Context, b: int, options: tuple[Option, ...], micro_batches: Sequence[int], shapes: Shapes,
+                top: TopK, anywhere: bool) -> Iterator[tuple[int, tuple[Option, ...]]]:
+    """(micro-batch size, stage list) one move from `options` at b: the same list at another
+    of `micro_batches`, then `moves` at b (new blocks `top` cannot take left out)."""
+    L = ctx.model.n_layers
+    weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
+    yield from ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, shapes.every(b2))] if x)
+    yield from ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L,
+                                      lambda beside, s, ks: beside.cannot_beat(weight, L, s, ks, top.bound),
+                                      anywhere))
+
+
+def _solve_round(ctx: Context, b: int, options: tuple[Option, ...], micro_batches: Sequence[int], shapes: Shapes,
+                 top: TopK, seen: dict, stats: SearchStats, deadline: float, anywhere: bool) -> bool:
+    """Solve every list one move from `options` (`_neighbours`) into `top`, but those `seen`
+    shows cannot beat it; False once `deadline` has passed."""
+    for n, (b2, x) in enumerate(_neighbours(ctx, b, options, micro_batches, shapes, top, anywhere)):
+        if n % 256 == 0 and time.perf_counter() > deadline:
+            return False
+        x = merged(x)
+        if not x or seen.get((b2, x), -math.inf) >= top.bound or (stats.proved_optimal and one_shape(x)) \
+                or not in_space(x, ctx.counts):
+            continue
+        bound = top.bound
+        seen[(b2, x)] = 0.0 if solve(ctx, b2, x, top, stats) else bound
+    return True
+
+
+def _look_ahead(ctx: Context, b: int, options: tuple[Option, ...], micro_batches: Sequence[int], shapes: Shapes,
+                top: TopK, seen: dict, stats: SearchStats, deadline: float) -> None:
+    """From a list no move improves (`top`'s best): its LOOKAHEAD_LISTS best neighbours within
+    LOOKAHEAD_GAP of it, slower than it, and each one's neighbours solved into `top` (new
+    blocks anywhere): a list two moves away that beats it where neither move alone does
+    (e.g. a block's stages re-shared with the type's other block and that block moved)."""
+    near = TopK(LOOKAHEAD_LISTS, top.bound * (1 + LOOKAHEAD_GAP))
+    if not _solve_round(ctx, b, options, micro_batches, shapes, near, seen, stats, deadline, True):
+        return
+    for c in near.sorted():
+        if not _solve_round(ctx, c.micro_batch, merged(c.options), micro_batches, shapes, top, seen, stats,
+                            deadline, True):
+            return
+
+
 def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: Shapes, top: TopK, seen: dict,
-          stats: SearchStats, deadline: float, wide: bool = False) -> None:
+          stats: SearchStats, deadline: float, wide: bool = False, looked: set | None = None,
+          overall: TopK | None = None) -> None:
     """Hill-climbing from `start`: each round solves every list one move from the current one
     (but those `seen` shows cannot beat `top`) into `top`, and moves to `top`'s best while that
     improves on the best before the round; with `wide`, a round that does not improve is
-    followed by one with new blocks at any place (`moves`' `anywhere`)."""
-    L = ctx.model.n_layers
-    current = (start.micro_batch, merged(start.options))
+    followed by one with new blocks at any place (`moves`' `anywhere`), and one that does not
+    improve either by a look two moves ahead (`_look_ahead`) where the list it is stuck at is
+    `top`'s best (a later start at a micro-batch size, which climbs in the best so far, may
+    be stuck at its start, a slower list), is not in `looked` (lists looked ahead from, which
+    it adds to) and is within LOOKAHEAD_GAP of `overall`'s best (the best of the climbs
+    before it)."""
+    looked = set() if looked is None else looked
+    current = _key(start)
     anywhere = False
     while True:
         b, options = current
-        weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
-        tried = itertools.chain(
-            ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, shapes.every(b2))] if x),
-            ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L,
-                                   lambda beside, s, ks: beside.cannot_beat(weight, L, s, ks, top.bound),
-                                   anywhere)))
         best = top.bound
-        for n, (b2, x) in enumerate(tried):
-            if n % 256 == 0 and time.perf_counter() > deadline:
-                return
-            x = merged(x)
-            if not x or seen.get((b2, x), -math.inf) >= top.bound or (stats.proved_optimal and one_shape(x)) \
-                    or not in_space(x, ctx.counts):
-                continue
-            bound = top.bound
-            seen[(b2, x)] = 0.0 if solve(ctx, b2, x, top, stats) else bound
-        if top.bound >= best:
-            if anywhere or not wide:
-                return
+        if not _solve_round(ctx, b, options, micro_batches, shapes, top, seen, stats, deadline, anywhere):
+            return
+        if top.bound >= best and wide and not anywhere:
             anywhere = True  # stuck: once more, new blocks anywhere
             continue
+        if top.bound >= best and wide and current not in looked and current in map(_key, top.sorted()[:1]) \
+                and (overall is None or best <= overall.bound * (1 + LOOKAHEAD_GAP)):
+            looked.add(current)  # stuck again, at the best list found: two moves ahead
+            _look_ahead(ctx, b, options, micro_batches, shapes, top, seen, stats, deadline)
+        if top.bound >= best:
+            return
         anywhere = False
-        found = top.sorted()[0]
-        current = (found.micro_batch, merged(found.options))
+        current = _key(top.sorted()[0])
+
+
+def _key(cand: Candidate) -> tuple[int, tuple[Option, ...]]:
+    """A plan's (micro-batch size, merged stage list): what `climb` stands on."""
+    return cand.micro_batch, merged(cand.options)
 
 
 def at_micro_batch(options: Sequence[Option], shapes: Mapping[str, Sequence[Option]]) -> tuple[Option, ...] | None:
