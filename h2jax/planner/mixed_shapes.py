@@ -13,7 +13,8 @@ same move, `_grown`), solves each list's layer split exactly (`split.solve`, whi
 and moves to the best until no move improves it (`climb`; the first start at each
 micro-batch size climbs against its own time, not the best so far; on a small space, a climb
 no move improves tries once more with each new block at any place in the pipeline, not
-only beside its kept stages or its neighbour: `refine`'s `wide`). The result is at least as fast as
+only beside its kept stages or its neighbour, and then looks two moves ahead from the best
+list it found: `refine`'s `wide`, `_look_ahead`). The result is at least as fast as
 the one-shape optimum; it is not proved optimal among two-shape plans (chip_split.prove
 proves that, in minutes on hundreds of chips; `--exhaustive` enumerates them: docs/planner.md, "Two
 shapes per chip type").
