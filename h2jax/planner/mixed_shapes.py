@@ -23,7 +23,6 @@ shapes per chip type").
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from typing import Callable, Iterator, Mapping, Sequence
@@ -200,7 +199,8 @@ def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[in
     above the one it was solved against (a start's own climb may need it). With `wide`, a
     climb that no move improves tries once more with a new block at any place (`moves`'
     `anywhere`), and goes on from there where that improves; where that does not improve
-    either, it looks two moves ahead (`_look_ahead`) once per list it is stuck at. Where
+    either, it looks two moves ahead (`_look_ahead`) from the best list it found, once per
+    list (`looked`, shared by the climbs). Where
     `stats` says the exact search proved the best of `starts` optimal among one-shape lists,
     lists with one shape per type are not solved: none can beat it. Stops at `deadline`
     (perf_counter seconds) with the best found so far."""
