@@ -550,3 +550,21 @@ def test_a_climb_looks_ahead_only_from_the_best_list_it_found(monkeypatch):
     again.push(found)
     climb(ctx, found, mbs, shapes, again, {}, SearchStats(), math.inf, wide=True, looked=looked)
     assert len(calls) == 1
+
+
+def test_a_climb_far_above_the_best_of_the_climbs_before_it_does_not_look_ahead(monkeypatch):
+    """`climb`'s `overall` (the best of the climbs before it): stuck more than LOOKAHEAD_GAP
+    above it, a climb does not look ahead; within it, it does."""
+    ctx = make_context(*A100_V5E)
+    (one,), _ = top_k(*A100_V5E)
+    calls = []
+    monkeypatch.setattr(mixed_shapes, "_look_ahead", lambda ctx, b, options, *rest: calls.append(b))
+    shapes, mbs = Shapes(ctx), divisors(512)
+    for factor, looks in ((1 - 2 * mixed_shapes.LOOKAHEAD_GAP, False), (1.0, True)):
+        own = TopK(1)
+        own.push(one)
+        calls.clear()
+        climb(ctx, one, mbs, shapes, own, {}, SearchStats(), math.inf, wide=True,
+              overall=TopK(1, cutoff=one.time_s * factor))
+        assert own.sorted()[0].time_s > one.time_s * (1 - mixed_shapes.LOOKAHEAD_GAP)  # (the gate decides)
+        assert bool(calls) == looks
