@@ -298,8 +298,7 @@ def _look_ahead(ctx: Context, b: int, options: tuple[Option, ...], micro_batches
     if not _solve_round(ctx, b, options, micro_batches, shapes, near, seen, stats, deadline, True):
         return
     for c in near.sorted():
-        if not _solve_round(ctx, c.micro_batch, merged(c.options), micro_batches, shapes, top, seen, stats,
-                            deadline, True):
+        if not _solve_round(ctx, *_key(c), micro_batches, shapes, top, seen, stats, deadline, True):
             return
 
 
@@ -326,7 +325,8 @@ def climb(ctx: Context, start: Candidate, micro_batches: Sequence[int], shapes: 
         if top.bound >= best and wide and not anywhere:
             anywhere = True  # stuck: once more, new blocks anywhere
             continue
-        if top.bound >= best and wide and current not in looked and current in map(_key, top.sorted()[:1]) \
+        # (where it stands is `top`'s best but for a later start at a micro-batch size, stuck at its own)
+        if top.bound >= best and wide and current not in looked and top.heap and current == _key(top.sorted()[0]) \
                 and (overall is None or best <= overall.bound * (1 + LOOKAHEAD_GAP)):
             looked.add(current)  # stuck again, at the best list found: two moves ahead
             _look_ahead(ctx, b, options, micro_batches, shapes, top, seen, stats, deadline)

@@ -420,9 +420,11 @@ REFINE_STARTS = 3
 # wider: it also climbs from the best one-shape lists of the micro-batch sizes beside the
 # best's (`_neighbour_starts`: there a stage more or fewer changes a plan the most, and these
 # searches are cheap), and a climb that no move improves tries once more with a type's new
-# block at any place in the pipeline, not only beside its kept stages or its neighbour
-# (`mixed_shapes.refine`'s `wide`). Measured, 1F1B, llama-100b: on the 64-chip cluster, 6.4e5
-# lists, the neighbour starts find the two-shape optimum, 2.2 % faster, for 0.35 s more; on
+# block at any place in the pipeline, not only beside its kept stages or its neighbour, and
+# then looks two moves ahead from the best list it found (`mixed_shapes.refine`'s `wide`,
+# `mixed_shapes._look_ahead`: about 0.3 s more on the 64-chip cluster). Measured, 1F1B,
+# llama-100b: on the 64-chip cluster, 6.4e5 lists, the neighbour starts find the two-shape
+# optimum, 2.2 % faster, for 0.35 s more; on
 # the 768-, 1,024- and 2,432-chip clusters, 9e10 to 3e15 lists, they found nothing faster and
 # would cost 0.5 to 2 s, and new blocks anywhere 0.15 s more at 2,432 chips. On random small
 # clusters of shipped chips (`benchmarks/planner.py --random-two-shapes`; 3e4 to 7e8 lists)
