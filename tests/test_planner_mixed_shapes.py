@@ -16,7 +16,7 @@ from h2jax.planner import mixed_shapes, plan_cluster, search
 from h2jax.planner.cost_model import CostOptions
 from h2jax.planner.mixed_shapes import Shapes, climb, in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
-from h2jax.planner.space import PlannerError, SearchStats, divisors, make_context
+from h2jax.planner.space import Candidate, PlannerError, SearchStats, divisors, make_context
 from h2jax.planner.split import Beside, NewShapes, TopK, _may_hold, list_bound, list_sums, sums_bound
 
 REPO = Path(__file__).resolve().parent.parent
@@ -369,6 +369,57 @@ def test_the_local_search_climbs_from_the_best_few_one_shape_lists():
     alone = refine(ctx, [one], divisors(4), SearchStats())
     assert alone.time_s > two_full.time_s * 1.01  # stuck from the best one-shape list alone
     assert math.isclose(two.time_s, two_full.time_s, rel_tol=1e-9), (layout(two), layout(two_full))
+
+
+# A seeded random tiny cluster (benchmarks/planner.py's two-shape cases, seed 1, case 134)
+# whose two-shape optimum the local search reaches only from the third best one-shape list
+THIRD_START = (Cluster((ChipGroup(chip("chip0", 0.004, 1.0, per_node=2, inter=0.5, intra=5.0), 5),)), 128, 8, "1f1b")
+
+
+def test_on_a_small_space_the_local_search_climbs_from_the_three_best_one_shape_lists():
+    """A small space's starts are its REFINE_STARTS best one-shape lists, proved (the exact
+    search prunes by the third best's time: `search._Starts`), not its incumbents: here the
+    search meets only its best as an incumbent, and the optimum is reached only from the third."""
+    cluster, seq, batch, schedule = THIRD_START
+    ones, _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, k=search.REFINE_STARTS)
+    (two,), stats = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+    (full,), _ = top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True, exhaustive=True)
+    assert stats.space_size <= search.WIDE_SPACE and full.time_s < ones[0].time_s * (1 - 1e-3)
+    assert math.isclose(two.time_s, full.time_s, rel_tol=1e-9), (layout(two), layout(full))
+    ctx = make_context(cluster, "tiny", seq, batch, schedule)
+    alone = refine(ctx, ones[:2], divisors(batch), SearchStats(), wide=True)
+    assert alone.time_s > full.time_s * (1 + 1e-3)  # (neither of the best two reaches it)
+
+
+def plan_at(time_s: float, b: int) -> Candidate:
+    return Candidate(time_s, b, (), ())
+
+
+def test_the_local_search_starts_are_proved_on_a_small_space_and_incumbents_on_a_large_one():
+    stats = SearchStats()
+    top = search._Starts(1, 3, math.inf, stats)
+    for t, b in ((5.0, 1), (4.0, 2), (6.0, 3), (3.0, 4), (5.5, 5)):
+        top.push(plan_at(t, b))
+    # a small space: the search prunes by the third best, the three best are kept
+    assert top.bound == 5.0 and [c.time_s for c in top.sorted()] == [3.0, 4.0, 5.0]
+    stats.space_size = search.WIDE_SPACE + 1  # the space met grows past it: the best's time
+    assert top.bound == 3.0 and top.k == 1 and top.heap[0][2].time_s == 3.0
+    top.push(plan_at(3.5, 6))  # no incumbent: not a start
+    top.push(plan_at(2.0, 7))  # an incumbent: the first start
+    assert top.bound == 2.0 and [c.time_s for c in top.sorted()] == [2.0, 3.0, 4.0]
+
+
+def test_on_a_large_space_the_search_for_the_starts_prunes_as_the_search_for_the_best():
+    """Beyond WIDE_SPACE the exact search under two shapes bounds the rows of the search for
+    the best plan alone, not those of the search for the best three (which its starts are not
+    then: `search._Starts`)."""
+    args = (load_cluster(REPO / "plans" / "cluster-768.toml"), "llama-100b", 4096, 2048)
+    (one,), one_stats = top_k(*args)
+    _, three_stats = top_k(*args, k=3)
+    (two,), two_stats = top_k(*args, mixed_shapes=True)
+    assert two_stats.space_size > search.WIDE_SPACE and two_stats.one_shape_time_s == one.time_s
+    assert two_stats.bound_rows == one_stats.bound_rows < three_stats.bound_rows
+    assert two.time_s < one.time_s
 
 
 @pytest.mark.parametrize("case", ["split", "neighbour"])

@@ -64,11 +64,12 @@ from h2jax.cluster import Cluster
 
 def _search_dual(
     ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf,
-    cutoff: float = math.inf,
+    cutoff: float = math.inf, starts: int = 0,
 ) -> list[Candidate]:
     """Boxes of (steady, tail) thresholds with Lagrangian bounds (dual_search.py); with a
-    `cutoff`, only the plans faster than it."""
-    top = TopK(k, cutoff)
+    `cutoff`, only the plans faster than it. With `starts` > k, the k fastest are followed by
+    others, up to `starts` in all (`_Starts`: the local search's)."""
+    top = TopK(k, cutoff) if starts <= k else _Starts(k, starts, cutoff, stats)
     try:
         dual_search.search(ctx, micro_batches, top, stats, deadline)
     except OutOfTime:
@@ -263,8 +264,8 @@ def top_k(
     in that many processes (`_Rest`), where the first's exact search took PARALLEL_AFTER_S:
     the same plans and times as one after the other.
 
-    `mixed_shapes` lets a chip type's stages take two shapes: the fast search refines its
-    REFINE_STARTS best plans by a local search (mixed_shapes.refine; `stats.one_shape_time_s`
+    `mixed_shapes` lets a chip type's stages take two shapes: the fast search refines
+    REFINE_STARTS of its plans, the best first (`_Starts`), by a local search (mixed_shapes.refine; `stats.one_shape_time_s`
     keeps the best plan with one shape per type, which is what `proved_optimal` speaks of) and
     the exhaustive reference enumerates every two-shape stage list. `prove_two_shapes` (with
     `mixed_shapes`) then proves the best plan optimal in the two-shape space
@@ -412,7 +413,9 @@ def _zb_h1_confirmed(found: list[Candidate], cluster, model, seq_len, global_bat
 # The local search over two shapes per type (mixed_shapes.refine) climbs from this many of the
 # best one-shape stage lists (measured on random tiny clusters where two shapes win: from the
 # best alone it reached the two-shape optimum in 8 of 11, from the best 3 in 10; one of the 12
-# now needs the third, at another micro-batch size, climbing against its own time)
+# now needs the third, at another micro-batch size, climbing against its own time). On a
+# space of more than WIDE_SPACE lists the starts after the best are the exact search's
+# incumbents, not its proved next best (`_Starts`)
 REFINE_STARTS = 3
 
 
@@ -430,6 +433,48 @@ REFINE_STARTS = 3
 # clusters of shipped chips (`benchmarks/planner.py --random-two-shapes`; 3e4 to 7e8 lists)
 # both together reach the proved two-shape optimum in more of them (figures: docs/planner.md).
 WIDE_SPACE = 10**9
+
+
+class _Starts:
+    """The exact search's top k (a TopK to the search) that also keeps the local search's
+    starts, the `n` fastest plans that entered it (`sorted()`: the k fastest first). While the
+    one-shape space the search has met holds at most WIDE_SPACE lists (`stats.space_size`,
+    counted as it builds each micro-batch size's tables), the bound a plan must beat is the
+    n-th fastest's, so on a small space they are its n fastest, proved. Beyond it, the bound
+    tightens to the k-th fastest's (a search whose bound only falls stays exact), and the
+    starts after the k fastest are plans that beat the k-th fastest when offered (the
+    search's incumbents as it went), not necessarily the next fastest of the space: proving
+    those would cost the large search its tighter bound (1,024 chips: 0.85 s against 0.48 s
+    in all, with the local search), and climbs from the incumbents reached the same plans
+    (figures: docs/planner.md)."""
+
+    def __init__(self, k: int, n: int, cutoff: float, stats: SearchStats) -> None:
+        self.best, self.starts, self.stats, self.cutoff = TopK(k, cutoff), TopK(n, cutoff), stats, cutoff
+
+    @property
+    def _ranked(self) -> TopK:
+        """The plans whose bound the search prunes by."""
+        return self.starts if self.stats.space_size <= WIDE_SPACE else self.best
+
+    @property
+    def bound(self) -> float:
+        return self._ranked.bound
+
+    @property
+    def heap(self) -> list:
+        return self._ranked.heap
+
+    @property
+    def k(self) -> int:
+        return self._ranked.k
+
+    def push(self, cand: Candidate) -> None:
+        if cand.time_s < self.bound:
+            self.starts.push(cand)
+        self.best.push(cand)
+
+    def sorted(self) -> list[Candidate]:
+        return self.starts.sorted()
 
 
 def _neighbour_starts(ctx: Context, b: int, micro_batches: Sequence[int], starts: Sequence[Candidate],
@@ -497,7 +542,7 @@ def _search_one(
         one_shape = found
         stats.lower_bound_s = found[0].time_s if found else cutoff
     else:
-        # two shapes: the local search starts from the REFINE_STARTS best one-shape lists
+        # two shapes: the local search starts from REFINE_STARTS one-shape lists (`_Starts`)
         found, stats = _exact(ctx, mbs, k, mixed_shapes, deadline, cutoff) if exact is None else exact
         # (`exact`, a worker's, was made under a cutoff no lower: its k' fastest under this one
         # are the k' fastest under it; a search made here has none to drop)
@@ -540,11 +585,12 @@ def _context(cluster, model, seq_len, global_batch, schedule, v, profile, option
 
 def _exact(ctx: Context, micro_batches: Sequence[int], k: int, mixed_shapes: bool, deadline: float,
            cutoff: float) -> tuple[list[Candidate], SearchStats]:
-    """The exact one-shape search (dual_search) for the k fastest plans under `cutoff`, or with
-    `mixed_shapes` for the local search's REFINE_STARTS starts; its stats, with its time."""
+    """The exact one-shape search (dual_search) for the k fastest plans under `cutoff`, with
+    `mixed_shapes` followed by the local search's other starts (`_Starts`, REFINE_STARTS in
+    all); its stats, with its time."""
     stats = SearchStats()
     t0 = time.perf_counter()
-    found = _search_dual(ctx, micro_batches, max(k, REFINE_STARTS) if mixed_shapes else k, stats, deadline, cutoff)
+    found = _search_dual(ctx, micro_batches, k, stats, deadline, cutoff, REFINE_STARTS if mixed_shapes else k)
     stats.search_time_s = time.perf_counter() - t0
     return found, stats
 
