@@ -358,6 +358,17 @@ def test_plan_cluster_reports_the_one_shape_optimum_and_the_two_shape_gain(capsy
     assert rc in (0, None) and "one shape per chip type" not in out
 
 
+def test_plan_says_when_the_local_search_found_no_faster_plan_with_two_shapes(capsys):
+    """cluster-1024's best one-shape plan is the local search's best too: `h2jax plan` says
+    it looked, and that this is not proved."""
+    rc = cli_main(["plan", "--cluster", str(REPO / "plans" / "cluster-1024.toml"), "--model", "llama-100b",
+                   "--seq-len", "4096", "--global-batch-tokens", str(8 * 2**20), "--schedule", "1f1b",
+                   "--no-baselines"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc in (0, None) and "among plans with one shape per chip type; a local search found no faster plan" in out
+    assert "(not proved: --prove-two-shapes)" in out and "faster" not in out.split("local search found no")[0]
+
+
 def test_the_local_search_climbs_from_the_best_few_one_shape_lists():
     """A case whose two-shape optimum lies beyond the best one-shape list's local optimum but
     within reach of the next ones' (search.REFINE_STARTS)."""

@@ -224,6 +224,8 @@ def print_table(result: Any, cluster: Any, out: str | None) -> None:
             found_by = "the best found" if proved_two is False else "from a local search"  # (the proof's, or not tried)
             opt += (f" ({one_shape:.4g} s); two shapes on a type, {found_by} (not proved optimal), "
                     f"are {pred['two_shapes_faster_by']:.2%} faster")
+        elif proved_two is None:
+            opt += "; a local search found no faster plan with two shapes on a type (not proved: --prove-two-shapes)"
         if proved_two is False:
             stopped = pred.get("two_shapes_stopped_by", TIME_LIMIT)
             nodes = count(pred["two_shape_nodes"], "branch-and-bound node")
