@@ -86,13 +86,17 @@ def test_simulating_a_billion_micro_batches_is_refused_up_front(tmp_path, capsys
     assert rc == 2 and str(path) in err and "micro-batches" in err, err
 
 
-def test_a_100000_layer_model_stays_within_its_time_limit():
+def test_a_100000_layer_model_is_refused_or_stops_at_its_time_limit():
+    """A 100,000-layer model on the 64-chip cluster: given the time, the search proves that no
+    plan fits and says why (about 1.5 s on a 2-core machine); given a time limit far below
+    that, it stops there and says so. (Until 2026-12-07 the test gave it 1 s and took a plan
+    or the time limit: once the search got fast enough to finish in that second, it failed on
+    the right answer, and which outcome it met depended on the machine's speed.)"""
     from h2jax.config import ModelConfig
 
     model = ModelConfig(vocab_size=32000, d_model=512, n_layers=100_000, n_heads=8, n_kv_heads=8, d_ff=1024)
-    try:
-        result = plan_cluster(load_cluster(C64), model, 512, 1024, schedule="1f1b", baselines=False, time_limit_s=1.0)
-    except PlannerError as e:
-        assert "time limit" in str(e)
-    else:
-        assert result.plan.model.n_layers == 100_000
+    args = (load_cluster(C64), model, 512, 1024)
+    with pytest.raises(PlannerError, match="no plan fits: the model .100000 layers"):
+        plan_cluster(*args, schedule="1f1b", baselines=False, time_limit_s=600.0)
+    with pytest.raises(PlannerError, match="ran out of its time limit"):
+        plan_cluster(*args, schedule="1f1b", baselines=False, time_limit_s=0.01)

@@ -226,6 +226,15 @@ class Context:
         """(in flight, deferred) of position i of p under the schedule (the memory model's)."""
         return cm.memory_holds(self.schedule, i, p, m, self.v)
 
+    def in_flight_row(self, p: int, m: int) -> np.ndarray:
+        """`holds`' in-flight micro-batches at every position 0..p-1 of p (cached per p and m:
+        the caps below take a block's slice of it, not one call per stage)."""
+        key = ("in flight", p, m)
+        row = self._caps.get(key)
+        if row is None:
+            row = self._caps[key] = np.array([self.holds(j, p, m)[0] for j in range(p)], dtype=float)
+        return row
+
     def fill_terms(self, t: cm.StageTerms, last: bool) -> tuple[float, float]:
         """(per layer, end) seconds of a stage's share of the schedule's fill."""
         form = self.sched.closed_form
@@ -272,7 +281,7 @@ class Context:
             key = ("max", id(o.mem), p, m, i, o.stages)
             most = self._caps.get(key)
             if most is None:
-                fewest = min(self.holds(j, p, m)[0] for j in range(i, i + o.stages))
+                fewest = float(self.in_flight_row(p, m)[i: i + o.stages].min())
                 most = self._caps[key] = int(o.max_layers(fewest))
             out.append(most)
             i += o.stages
@@ -283,7 +292,7 @@ class Context:
         key = (id(o.mem), p, m, i, o.stages)  # o.mem: one of the cached terms' (alive)
         caps = self._caps.get(key)
         if caps is None:
-            held = np.array([self.holds(j, p, m)[0] for j in range(i, i + o.stages)], dtype=float)
+            held = self.in_flight_row(p, m)[i: i + o.stages]
             caps = self._caps[key] = np.atleast_1d(o.max_layers(held))
         return caps
 
