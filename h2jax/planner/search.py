@@ -442,6 +442,12 @@ START_GAP = 0.01
 WIDE_SPACE = 10**9
 
 
+def _small_space(stats: SearchStats) -> bool:
+    """Whether the one-shape space the search has met (`stats.space_size`) holds at most
+    WIDE_SPACE lists: what `_Starts` prunes by and how widely the local search searches."""
+    return stats.space_size <= WIDE_SPACE
+
+
 class _Starts:
     """The exact search's top k (a TopK to the search) that also keeps the local search's
     starts, the `n` fastest plans that entered it (`sorted()`: the k fastest first). While the
@@ -461,7 +467,7 @@ class _Starts:
     @property
     def _ranked(self) -> TopK:
         """The plans whose bound the search prunes by."""
-        return self.starts if self.stats.space_size <= WIDE_SPACE else self.best
+        return self.starts if _small_space(self.stats) else self.best
 
     @property
     def bound(self) -> float:
@@ -563,7 +569,7 @@ def _search_one(
         if mixed_shapes and found:
             stats.one_shape_time_s = found[0].time_s
             starts = found[:REFINE_STARTS]
-            wide = stats.space_size <= WIDE_SPACE
+            wide = _small_space(stats)
             if wide:
                 starts = starts + _neighbour_starts(ctx, found[0].micro_batch, mbs, starts, deadline)
             else:
