@@ -19,9 +19,8 @@ Python API (the `h2jax calibrate` command is a thin wrapper)::
   F+B is split in the predicted proportion), "send" (per micro-batch: from the send's post
   to the receive's end, over messages whose receiver was already waiting; None when none
   was), "receive wait" (per step: the stage's time blocked in receives, predicted as the
-  step's pipeline time less the stage's own compute), "dp reduce" (per step; measured
-  None: the runtime reduces each micro-batch's gradient inside its backward program, so it
-  is measured with the backward), "optimizer" (per step), and "step" (median step time).
+  step's pipeline time less the stage's own compute), "dp reduce" (per step: a data-parallel
+  stage's one reduction of its ranks' gradients, its own program; None on one rank), "optimizer" (per step), and "step" (median step time).
 - `profile`: a Profile (h2jax.planner.profile) for the plan's model and sequence length.
   Per stage, one entry (chip, tensor, tokens per device, recompute) whose one-layer-stage
   forward and backward reproduce the measured stage times under the cost model (entry =
@@ -87,6 +86,7 @@ class StageMeasure:
     recv_wait_s: float  # per step
     optimizer_s: float | None  # per step
     send_s: float | None  # per micro-batch: post to delivery, receiver waiting
+    dp_reduce_s: float | None = None  # per step: the data ranks' gradient reduction (None: one rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ def measure(plan: Plan, events: Iterable[Sequence[Any]], costs: Sequence[cm.Stag
     stages = []
     for i, steps in enumerate(per_stage):
         share = _split_fused(plan, costs, i)
-        fwd, bwd, wait, opt, sends = [], [], [], [], []
+        fwd, bwd, wait, opt, sends, reduces = [], [], [], [], [], []
         for k, step in enumerate(steps[1:n_steps], start=1):
             f = b = w = 0.0
             o = None
@@ -145,6 +145,8 @@ def measure(plan: Plan, events: Iterable[Sequence[Any]], costs: Sequence[cm.Stag
                 a = _ACTION.match(e.name)
                 if e.name == "optimizer":
                     o = e.duration_s
+                elif e.name == "dp reduce":
+                    reduces.append(e.duration_s)
                 elif "+" in e.name and e.name.startswith("F"):
                     f += e.duration_s * share
                     b += e.duration_s * (1 - share)
@@ -170,6 +172,7 @@ def measure(plan: Plan, events: Iterable[Sequence[Any]], costs: Sequence[cm.Stag
         stages.append(StageMeasure(
             statistics.median(fwd), statistics.median(bwd), statistics.median(wait),
             statistics.median(opt) if opt else None, statistics.median(sends) if sends else None,
+            statistics.median(reduces) if reduces else None,
         ))
     step_times = []
     for k in range(1, n_steps):
@@ -192,7 +195,7 @@ def compare(plan: Plan, measured: Measured, costs: Sequence[cm.StageCost]) -> li
             Row(i, "backward", s.backward_s, c.backward_s, "per micro-batch"),
             Row(i, "send", s.send_s, c.send_s + c.link_latency_s if c.send_bytes else incoming, "per micro-batch"),
             Row(i, "receive wait", s.recv_wait_s, max(pipe - busy, 0.0), "per step"),
-            Row(i, "dp reduce", None, c.dp_reduce_s, "per step"),
+            Row(i, "dp reduce", s.dp_reduce_s, c.dp_reduce_s, "per step"),
             Row(i, "optimizer", s.optimizer_s, c.optimizer_s, "per step"),
         ]
     rows.append(Row(None, "step", measured.step_s, cm.iteration_time(list(costs), m, plan.schedule, v), "per step"))

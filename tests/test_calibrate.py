@@ -109,6 +109,23 @@ def test_rows_put_each_measured_term_next_to_the_models():
     assert by[None, "step"].predicted_s == pytest.approx(cm.iteration_time(costs, plan.n_micro))
 
 
+def test_a_data_parallel_stages_gradient_reduction_is_measured_per_step():
+    """A data-parallel stage reduces its ranks' gradients once per step in its own program,
+    traced as "dp reduce" before its optimizer: the row gets its median (the compile step
+    left out); a stage without one keeps None."""
+    plan = two_stage_plan()
+    events = []
+    for e in synthetic_trace(plan, 4, FWD, BWD, OPT):
+        if e.stage == 0 and e.name == "optimizer":
+            n = sum(1 for x in events if x.name == "dp reduce")
+            events.append(TraceEvent(0, "dp reduce", e.start_s, (0.005, 0.006, 0.004, 0.007)[n]))
+        events.append(e)
+    rows, _ = calibrate(plan, events=events)
+    by = {(r.stage, r.term): r for r in rows}
+    assert by[0, "dp reduce"].measured_s == pytest.approx(0.006)  # median of 6, 4 and 7 ms
+    assert by[1, "dp reduce"].measured_s is None
+
+
 def test_the_calibrated_profile_makes_the_model_predict_what_was_measured():
     plan = two_stage_plan(n_micro=2)
     _, profile = calibrate(plan, events=synthetic_trace(plan, 4, FWD, BWD, OPT, transfer=0.002))

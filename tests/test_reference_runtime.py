@@ -96,8 +96,10 @@ def per_device_array_bytes(tree, device) -> int:
 
 @pytest.mark.parametrize("shard_over_data", [True, False])
 def test_memory_check_counts_params_grads_and_optimizer_state(shard_over_data):
-    """persistent_bytes equals what one device really holds after init: parameters, f32
-    gradient accumulators and AdamW's two moments (split over data under ZeRO-1)."""
+    """persistent_bytes equals what one device really holds at the update: parameters, f32
+    gradient accumulators (one per data rank: a leading axis split over data), AdamW's two
+    moments (split over data under ZeRO-1) and the step's reduced gradients (the moments'
+    layout)."""
     from h2jax.runtime.stage import StageExecutor
 
     plan = plan_from_dict({
@@ -115,8 +117,15 @@ def test_memory_check_counts_params_grads_and_optimizer_state(shard_over_data):
     # parameters, halved over data=2 under ZeRO-1.
     moments = 2 * params // (2 if shard_over_data else 1)
     assert moments <= opt <= moments + 64
-    # The update's arguments are exactly these arrays plus the global norm (one f32 scalar).
-    assert ex.memory.persistent_bytes == params + grads + opt + 4
+    # A rank's accumulator is the size of its parameters; the reduced gradients, the update's
+    # argument, are split over data like the moments under ZeRO-1, whole without it.
+    assert grads == params * 4 // jnp.dtype(ex.param_dtype).itemsize  # not one per rank on every device
+    reduced = sum(4 * int(np.prod(sh.shard_shape(a.shape[1:])))
+                  for a, sh in zip(jax.tree.leaves(ex.grad_acc), jax.tree.leaves(ex.grad_sharding)))
+    assert reduced == grads // (2 if shard_over_data else 1)
+    # The update's arguments (parameters, moments, reduced gradients, the global norm: one f32
+    # scalar) and, beside them, the accumulators.
+    assert ex.memory.persistent_bytes == params + grads + opt + reduced + 4
     assert ex.memory.needed_bytes >= ex.memory.persistent_bytes + ex.memory.in_flight * ex.memory.per_micro_batch_bytes
 
 

@@ -196,8 +196,10 @@ def test_a_measured_trace_holds_every_action_on_the_simulators_tracks(tmp_path, 
         assert (1, f"SEND_GRAD{k}", "comm") in names and (0, f"RECV_GRAD{k}", "comm") in names
     optimizer = [e for e in events if e.name == "optimizer"]
     assert sorted(e.stage for e in optimizer) == [0, 0, 1, 1]  # one per stage per traced step
+    reduces = [e for e in events if e.name == "dp reduce"]
+    assert sorted(e.stage for e in reduces) == [0, 0]  # the data-parallel stage's one reduction per step
     computes = [e for e in events if e.lane == "compute"]
-    assert len(computes) == 2 * (2 * plan.n_micro + plan.n_micro + 1 + 1)
+    assert len(computes) == 2 * (2 * plan.n_micro + plan.n_micro + 1 + 1 + 1)
     assert all(e.start_s >= 0 for e in events)
     assert np.isfinite(result.losses).all()
     trace = json.loads(path.read_text())

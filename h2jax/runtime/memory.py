@@ -83,12 +83,14 @@ class StageMemory:
 
     @classmethod
     def of(cls, executor, update, steps, held, in_flight: int, forward=None, deferred: int = 0,
-           deferred_held=()) -> "StageMemory | None":
+           deferred_held=(), accumulators: int = 0) -> "StageMemory | None":
         """From a StageExecutor's compiled programs: `update`, the per-micro-batch `steps`,
         what each in-flight micro-batch keeps (`held`, a tree with shardings) and how many
         are in flight; `forward` is the step whose outputs include `held`, if any; `deferred`
-        micro-batches each keeping `deferred_held` between B and W. None where
-        the backend reports no memory analysis."""
+        micro-batches each keeping `deferred_held` between B and W; `accumulators`: bytes per
+        device that persist beside the update's arguments (a data-parallel stage's per-rank
+        gradient accumulators, which its update does not take). None where the backend
+        reports no memory analysis."""
         analyses = [c.memory_analysis() for c in (update, *steps)]
         if any(a is None for a in analyses):
             return None
@@ -99,7 +101,7 @@ class StageMemory:
             working.append(max(_working(f) - held_bytes, f.temp_size_in_bytes))
             working.remove(_working(f))
         return cls(
-            persistent_bytes=analyses[0].argument_size_in_bytes,
+            persistent_bytes=analyses[0].argument_size_in_bytes + accumulators,
             per_micro_batch_bytes=held_bytes,
             in_flight=in_flight,
             working_bytes=max(working),

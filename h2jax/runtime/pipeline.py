@@ -285,7 +285,11 @@ class Pipeline:
         # the stage's leader contributes it to the cross-stage sum.
         sq = {}
         for r in runs:
-            norm = r.ex.grad_squared_norm()
+            t0 = self.tracer.now() if self.tracer is not None else 0.0
+            norm = r.ex.grad_squared_norm()  # (a data-parallel stage's one gradient reduction of the step)
+            if self.tracer is not None and getattr(r.ex, "reduces_gradients", False):
+                interval = r.ex.clock.last_interval if r.ex.clock is not None else None
+                self.tracer.compute(r.ex.index, "dp reduce", t0, r.ex.params, None, interval)  # (done: the norm is on the host)
             if r.ex.is_stage_leader:
                 sq[r.ex.index] = norm
         global_norm = float(np.sqrt(self.transport.sum_across_stages(sq)))

@@ -12,6 +12,16 @@ B (`backward_input`) runs the input-gradient chain and returns each piece's outp
 W (`backward_weight`, deferred by the schedule) turns those into the pieces' weight
 gradients. XLA drops the weight-gradient matmuls from B and the input-gradient ones from W,
 so together they cost one backward.
+
+Data parallelism: each micro-batch's gradients stay unreduced, one f32 accumulator per data
+rank (a leading axis of size `data`, split over it), and are reduced once per step
+(`reduce_gradients`: their sum onto the optimizer state's ZeRO-1 layout, each rank
+keeping its slice -- a reduce-scatter's worth of traffic -- or whole without ZeRO-1), not
+once per micro-batch. A data-parallel stage's programs run on
+its rank's share of the micro-batch (`jax.vmap` over the ranks' shares, the vmapped axis
+split over `data`), so no program but the reduction sums over the ranks: a gradient whose
+accumulator were replicated over `data` would be all-reduced inside every backward, m times
+the bytes of one reduction per step (the cost model's).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from h2jax.cluster import ChipType, load_chip
 from h2jax.config import ConfigError
 from h2jax.plan import Plan
 from h2jax.runtime.emulation import StageClock
-from h2jax.runtime.memory import StageMemory
+from h2jax.runtime.memory import StageMemory, per_device_bytes
 from h2jax.residuals import after, join, split_off
 from h2jax.runtime.optim import apply_clipped_update, make_optimizer, squared_norm
 from h2jax.sharding import (
@@ -54,8 +64,17 @@ def _dtype(name: str):
     return DTYPES[name]
 
 
-def _zeros_f32(tree):
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+def _zeros_f32(tree, ranks: int = 1):
+    """f32 zeros shaped like `tree`'s leaves, with a leading axis of `ranks` where it is > 1."""
+    lead = (ranks,) if ranks > 1 else ()
+    return jax.tree.map(lambda x: jnp.zeros(lead + tuple(x.shape), jnp.float32), tree)
+
+
+def _without_data(sharding: NamedSharding) -> NamedSharding:
+    """The sharding with its `data` entries dropped: an activation's layout inside a program
+    that runs on one data rank's share (vmapped over the ranks, which adds `data` back)."""
+    spec = [None if e == "data" else e for e in sharding.spec]
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
 def _cast_floats(tree, dtype):
@@ -118,6 +137,7 @@ class StageExecutor:
                         if a.chunk == chunk]
         self.split_backward = self.schedule.splits_backward
         self.mesh = make_mesh(devices, stage.mesh.data, stage.mesh.tensor)
+        self.ranks = stage.mesh.data  # data-parallel ranks: > 1, gradients kept per rank until the step's reduction
         cfg = plan.model
         start, end = stage.layer_ranges[chunk]
         # what makes this stage's programs one computation with another executor's, whichever
@@ -139,8 +159,8 @@ class StageExecutor:
         self.param_sharding = param_shardings(abstract_state, self.mesh)
         self.tx = make_optimizer(plan.optimizer, plan.train, lr_schedule)
         # Optimizer moments take their parameter's layout, split over `data` as well under
-        # ZeRO-1 (plan.optimizer.shard_over_data: XLA then reduce-scatters the update's
-        # inputs and all-gathers the new parameters); scalars (step counts) are replicated on
+        # ZeRO-1 (plan.optimizer.shard_over_data: the update takes each rank's slice of the
+        # reduced gradients and XLA all-gathers the new parameters); scalars (step counts) are replicated on
         # the stage mesh. Every step's outputs are pinned to these layouts.
         replicated = NamedSharding(self.mesh, PartitionSpec())
         zero1 = plan.optimizer.shard_over_data
@@ -154,7 +174,7 @@ class StageExecutor:
 
         def init():
             params = nnx.to_pure_dict(nnx.state(build()))
-            return params, self.tx.init(params), _zeros_f32(params)
+            return params, self.tx.init(params), _zeros_f32(params, self.ranks)
 
         # In a stage spanning several processes (one jax.distributed group per stage) only
         # the group's first process speaks for the stage in cross-stage collectives.
@@ -164,15 +184,30 @@ class StageExecutor:
         self.labels_sharding = named(self.mesh, TOKENS_AXES)
         self.boundary_sharding = named(self.mesh, BOUNDARY_AXES)
         self._hidden_sharding = named(self.mesh, HIDDEN_AXES)
+        # Per data rank: a leading axis of the ranks, split over `data` (the accumulators),
+        # the activations' layouts inside a rank's program (`_without_data`), and the
+        # reduced gradients' layout (the optimizer state's: each rank its ZeRO-1 slice).
+        abstract_params = shape_tree(abstract_state)
+        if self.ranks > 1:
+            self.acc_sharding = jax.tree.map(
+                lambda sh: NamedSharding(self.mesh, PartitionSpec("data", *sh.spec)), self.param_sharding)
+            self._inner_hidden = _without_data(self._hidden_sharding)
+            self._inner_boundary = _without_data(self.boundary_sharding)
+        else:
+            self.acc_sharding = self.param_sharding
+            self._inner_hidden, self._inner_boundary = self._hidden_sharding, self.boundary_sharding
+        self.grad_sharding = jax.tree.map(
+            lambda sh, x: over_data(sh, x.shape) if zero1 else sh, self.param_sharding, abstract_params)
+        self._grads = None  # the step's reduced gradients, between reduce_gradients and update
         # share_state's `until` while it holds the current state (see update), else None
         self._state_shared: threading.Event | None = None
         self._piece_order = (["embed"] if self.is_first else []) + [layer_name(i) for i in range(start, end)] + (
             ["head"] if self.is_last else [])
         self._compile()
 
-        init_jit = jax.jit(init, out_shardings=(self.param_sharding, self.opt_sharding, self.param_sharding))
+        init_jit = jax.jit(init, out_shardings=(self.param_sharding, self.opt_sharding, self.acc_sharding))
         self._abstract_state = _abstract(
-            jax.eval_shape(init_jit), (self.param_sharding, self.opt_sharding, self.param_sharding)
+            jax.eval_shape(init_jit), (self.param_sharding, self.opt_sharding, self.acc_sharding)
         )
         self.memory = self.compiled_memory()
         if check_memory and self.memory is not None:
@@ -219,16 +254,16 @@ class StageExecutor:
         cast = _cast_floats(params, self.compute_dtype)
         names = self._pieces()
         if not names:  # an empty layer chunk of an interleaved plan: the activation passes on
-            return jax.lax.with_sharding_constraint(x.astype(self.boundary_dtype), self.boundary_sharding), [], cast
+            return jax.lax.with_sharding_constraint(x.astype(self.boundary_dtype), self._inner_boundary), [], cast
         vjps, h = [], x
         for j, name in enumerate(names):
             def f(p_sub, h_in, name=name, j=j):
                 model = nnx.merge(self.graphdef, {**cast, name: p_sub})
                 if j == 0 and not self.is_first:
-                    h_in = jax.lax.with_sharding_constraint(h_in, self._hidden_sharding).astype(self.compute_dtype)
+                    h_in = jax.lax.with_sharding_constraint(h_in, self._inner_hidden).astype(self.compute_dtype)
                 out = self._piece(model, name, h_in, labels)
                 if j == len(names) - 1 and not self.is_last:
-                    out = jax.lax.with_sharding_constraint(out.astype(self.boundary_dtype), self.boundary_sharding)
+                    out = jax.lax.with_sharding_constraint(out.astype(self.boundary_dtype), self._inner_boundary)
                 return out
             if j == 0 and self.is_first:  # integer tokens have no gradient
                 h, vjp = jax.vjp(lambda p, f=f: f(p, x), cast[name])
@@ -248,7 +283,7 @@ class StageExecutor:
         return self._boundary_gradient(g), cots
 
     def _boundary_gradient(self, g):
-        return None if self.is_first else jax.lax.with_sharding_constraint(g, self.boundary_sharding)
+        return None if self.is_first else jax.lax.with_sharding_constraint(g, self._inner_boundary)
 
     def _add(self, acc, name, grad):
         return jax.tree.map(lambda a, x: a + self._f32_gradient(x), acc[name], grad)
@@ -279,60 +314,132 @@ class StageExecutor:
             g = after(g, acc[name])
         return acc, self._boundary_gradient(g)
 
+    def _over_ranks(self, fn, in_axes):
+        """`fn` on each data rank's share at once (its arguments' leading axis: the ranks,
+        split over `data`; None: the same for every rank, the parameters)."""
+        return jax.vmap(fn, in_axes=in_axes, spmd_axis_name="data")
+
+    def _shares(self, x):
+        """A micro-batch's array (batch first, split over `data`) as the ranks' shares: (ranks,
+        batch / ranks, ...); None stays None."""
+        return None if x is None else x.reshape((self.ranks, x.shape[0] // self.ranks) + x.shape[1:])
+
+    def _output(self, h):
+        """The ranks' outputs as the stage's: the micro-batch's mean loss on the last stage
+        (the ranks' shares are equal), else their shares back as one boundary activation."""
+        if self.is_last:
+            return jnp.mean(h)
+        return jax.lax.with_sharding_constraint(h.reshape((-1,) + h.shape[2:]), self.boundary_sharding)
+
+    def _input_gradient_out(self, dx):
+        return None if dx is None else jax.lax.with_sharding_constraint(
+            dx.reshape((-1,) + dx.shape[2:]), self.boundary_sharding)
+
+    def _dy_shares(self, dy):
+        """The output gradient per rank: the loss's cotangent over the ranks (the loss is their
+        mean) on the last stage, else its shares."""
+        if self.is_last:
+            return jnp.broadcast_to(dy / self.ranks, (self.ranks,))
+        return self._shares(dy)
+
     def _compile(self) -> None:
         labels_sh = self.labels_sharding if self.is_last else None
         in_sh = (self.param_sharding, self.input_sharding, labels_sh)
-        grad_out_sh = (self.param_sharding, None if self.is_first else self.boundary_sharding)
+        grad_out_sh = (self.acc_sharding, None if self.is_first else self.boundary_sharding)
         dx_sh = None if self.is_first else self.boundary_sharding
 
         # The forward returns the pieces' residuals but the parameters (a `jax.vjp` closure
         # is a pytree, so it leaves one jitted function and enters another): per block what
         # its recompute mode keeps (model.block_runner).
-        def forward(params, x, labels):
+        def forward_one(params, x, labels):
             h, vjps, cast = self._piece_vjps(params, x, labels)
             return h, self._kept_residuals(vjps, cast)
 
-        self._forward = jax.jit(forward, in_shardings=in_sh)
-        if self.split_backward:
-            self._backward_input = jax.jit(
-                lambda params, kept, dy: self._input_gradient(self._joined(params, kept), dy),
-                out_shardings=(dx_sh, None),
-            )
-            self._backward_weight = jax.jit(
-                lambda acc, params, kept, cots: self._weight_gradient(acc, self._joined(params, kept), cots),
-                donate_argnums=(0,), out_shardings=self.param_sharding,
-            )
-        else:
-            self._backward = jax.jit(
-                lambda acc, params, kept, dy: self._backward_pieces(acc, self._joined(params, kept), dy),
-                donate_argnums=(0,), out_shardings=grad_out_sh,
-            )
+        def input_gradient_one(params, kept, dy):
+            return self._input_gradient(self._joined(params, kept), dy)
 
-        def forward_backward(acc, params, x, labels, dy):
+        def weight_gradient_one(acc, params, kept, cots):
+            return self._weight_gradient(acc, self._joined(params, kept), cots)
+
+        def backward_one(acc, params, kept, dy):
+            return self._backward_pieces(acc, self._joined(params, kept), dy)
+
+        def forward_backward_one(acc, params, x, labels, dy):
             out, vjps, _ = self._piece_vjps(params, x, labels)
             acc, dx = self._backward_pieces(acc, vjps, dy)
             return out, acc, dx
+
+        if self.ranks == 1:
+            forward, input_gradient, weight_gradient = forward_one, input_gradient_one, weight_gradient_one
+            backward, forward_backward = backward_one, forward_backward_one
+        else:  # each data rank's share in one program, its gradients its own (module docstring)
+            def forward(params, x, labels):
+                h, kept = self._over_ranks(forward_one, (None, 0, 0))(params, self._shares(x), self._shares(labels))
+                return self._output(h), kept
+
+            def input_gradient(params, kept, dy):
+                dx, cots = self._over_ranks(input_gradient_one, (None, 0, 0))(params, kept, self._dy_shares(dy))
+                return self._input_gradient_out(dx), cots
+
+            def weight_gradient(acc, params, kept, cots):
+                return self._over_ranks(weight_gradient_one, (0, None, 0, 0))(acc, params, kept, cots)
+
+            def backward(acc, params, kept, dy):
+                acc, dx = self._over_ranks(backward_one, (0, None, 0, 0))(acc, params, kept, self._dy_shares(dy))
+                return acc, self._input_gradient_out(dx)
+
+            def forward_backward(acc, params, x, labels, dy):
+                out, acc, dx = self._over_ranks(forward_backward_one, (0, None, 0, 0, 0))(
+                    acc, params, self._shares(x), self._shares(labels), self._dy_shares(dy))
+                return self._output(out), acc, self._input_gradient_out(dx)
+
+        self._forward = jax.jit(forward, in_shardings=in_sh)
+        if self.split_backward:
+            self._backward_input = jax.jit(input_gradient, out_shardings=(dx_sh, None))
+            self._backward_weight = jax.jit(weight_gradient, donate_argnums=(0,), out_shardings=self.acc_sharding)
+        else:
+            self._backward = jax.jit(backward, donate_argnums=(0,), out_shardings=grad_out_sh)
 
         # When the schedule runs a micro-batch's backward right after its forward (the last
         # stage under 1F1B), one program does both: no residuals round-trip through memory.
         self._forward_backward = jax.jit(
             forward_backward,
-            in_shardings=(self.param_sharding,) + in_sh + (None,),
+            in_shardings=(self.acc_sharding,) + in_sh + (None,),
             donate_argnums=(0,),
             out_shardings=(None,) + grad_out_sh,
         )
-        self._sq_norm = jax.jit(squared_norm)
-        def update(params, opt_state, acc, norm):
-            params, opt_state = apply_clipped_update(
-                self.tx, params, opt_state, acc, norm, self.plan.optimizer.clip_norm
-            )
-            return params, opt_state, _zeros_f32(acc)
+        clip_norm = self.plan.optimizer.clip_norm
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        if self.ranks == 1:
+            self._sq_norm = jax.jit(squared_norm)
+            self._reduce = None
 
-        state_out = (self.param_sharding, self.opt_sharding, self.param_sharding)
-        self._update = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=state_out)
-        # After `share_state`, one update leaves the parameters and optimizer state where
-        # they are (writing the new ones to fresh buffers): the shared arrays stay valid.
-        self._update_keeping_state = jax.jit(update, donate_argnums=(2,), out_shardings=state_out)
+            def update(params, opt_state, acc, norm):
+                params, opt_state = apply_clipped_update(self.tx, params, opt_state, acc, norm, clip_norm)
+                return params, opt_state, _zeros_f32(acc)
+
+            state_out = (self.param_sharding, self.opt_sharding, self.acc_sharding)
+            self._update = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=state_out)
+            # After `share_state`, one update leaves the parameters and optimizer state where
+            # they are (writing the new ones to fresh buffers): the shared arrays stay valid.
+            self._update_keeping_state = jax.jit(update, donate_argnums=(2,), out_shardings=state_out)
+        else:
+            # The step's one reduction over the data ranks: their accumulators summed onto the
+            # reduced gradients' layout (ZeRO-1: each rank its slice), with their squared norm
+            # (for the global clipping norm) and fresh accumulators.
+            def reduce(acc):
+                grads = jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)
+                return squared_norm(grads), grads, _zeros_f32(grads, self.ranks)
+
+            self._reduce = jax.jit(reduce, donate_argnums=(0,),
+                                   out_shardings=(replicated, self.grad_sharding, self.acc_sharding))
+
+            def update(params, opt_state, grads, norm):
+                return apply_clipped_update(self.tx, params, opt_state, grads, norm, clip_norm)
+
+            state_out = (self.param_sharding, self.opt_sharding)
+            self._update = jax.jit(update, donate_argnums=(0, 1), out_shardings=state_out)
+            self._update_keeping_state = jax.jit(update, out_shardings=state_out)
         # each program by a name that is the same for every executor of this computation (an
         # emulated chip's clock shares its least measured time over them, emulation.py)
         self._programs = {fn: name for name, fn in (
@@ -341,6 +448,7 @@ class StageExecutor:
             ("backward_input", getattr(self, "_backward_input", None)),
             ("backward_weight", getattr(self, "_backward_weight", None)),
             ("update", self._update), ("update_keeping_state", self._update_keeping_state),
+            ("reduce_gradients", self._reduce),
         ) if fn is not None}
 
     def compiled_memory(self) -> StageMemory | None:
@@ -358,7 +466,14 @@ class StageExecutor:
         else:
             dy = jax.ShapeDtypeStruct((mb, seq, d), self.boundary_dtype, sharding=self.boundary_sharding)
         norm = jax.ShapeDtypeStruct((), jnp.float32)
-        update = self._update.lower(params, opt_state, acc, norm).compile()
+        accumulators = 0
+        if self.ranks == 1:
+            update = self._update.lower(params, opt_state, acc, norm).compile()
+        else:  # the update takes the reduced gradients; the ranks' accumulators stay beside them
+            grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape[1:], jnp.float32, sharding=sh),
+                                 acc, self.grad_sharding)
+            update = self._update.lower(params, opt_state, grads, norm).compile()
+            accumulators = per_device_bytes(acc)
         fused, split = self._micro_batch_programs(self.actions)
         steps, held, forward, cots = [], (), None, ()
         if fused:
@@ -380,7 +495,7 @@ class StageExecutor:
         else:  # this chunk's share of the stage's list (ChunkedStage checks the stage's sum)
             in_flight = sched.max_in_flight(self.actions) if split else 0
             deferred = sched.max_deferred(self.actions) if split else 0
-        return StageMemory.of(self, update, steps, held, in_flight, forward, deferred, cots)
+        return StageMemory.of(self, update, steps, held, in_flight, forward, deferred, cots, accumulators)
 
     def _micro_batch_programs(self, actions: list[sched.Action]) -> tuple[bool, bool]:
         """(fused, split): whether the pipeline runs forward_backward (the same rule as
@@ -425,20 +540,37 @@ class StageExecutor:
         out, self.grad_acc, dx = self._run(self._forward_backward, self.grad_acc, self.params, x, labels, dy)
         return out, dx
 
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether `grad_squared_norm` reduces the step's gradients over data ranks (its own
+        program, traced as "dp reduce")."""
+        return self._reduce is not None
+
     def grad_squared_norm(self) -> float:
+        """The squared norm of the step's gradients; on a data-parallel stage this is where
+        they are reduced over the data ranks (`reduce_gradients`), once per step."""
         if self.clock is not None:
             self.clock.wait()  # known only once this stage's chip has finished its backward
         # Every process of a multi-process stage must run this (it is a collective over the
         # stage's mesh); the result is replicated, so the local copy is the whole value.
-        return float(self._sq_norm(self.grad_acc).addressable_data(0))
+        if self._reduce is None:
+            return float(self._sq_norm(self.grad_acc).addressable_data(0))
+        norm, self._grads, self.grad_acc = self._run(self._reduce, self.grad_acc)
+        return float(norm.addressable_data(0))
 
     def update(self, global_norm: float) -> None:
         """One optimizer step with the gradients accumulated since the last one."""
         shared, self._state_shared = self._state_shared, None
         program = self._update_keeping_state if shared is not None and not shared.is_set() else self._update
-        self.params, self.opt_state, self.grad_acc = self._run(
-            program, self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
-        )
+        if self._reduce is None:
+            self.params, self.opt_state, self.grad_acc = self._run(
+                program, self.params, self.opt_state, self.grad_acc, jnp.float32(global_norm)
+            )
+            return
+        if self._grads is None:  # (the norm was not asked for: reduce now)
+            self.grad_squared_norm()
+        grads, self._grads = self._grads, None
+        self.params, self.opt_state = self._run(program, self.params, self.opt_state, grads, jnp.float32(global_norm))
 
     def share_state(self, until: threading.Event | None = None) -> tuple[dict, Any]:
         """(parameters, optimizer state) as they are now, valid until `until` is set (for as
@@ -508,6 +640,10 @@ class ChunkedStage:
     def params(self) -> dict:
         """Every chunk's parameters, by global group name (embed, layer_NNN, head)."""
         return {k: v for ex in self.chunks for k, v in ex.params.items()}
+
+    @property
+    def reduces_gradients(self) -> bool:
+        return self.chunks[0].reduces_gradients
 
     def grad_squared_norm(self) -> float:
         return float(sum(ex.grad_squared_norm() for ex in self.chunks))
