@@ -55,10 +55,14 @@ def test_the_ranks_accumulators_sum_to_the_micro_batch_gradient():
         assert a.shape == (2,) + b.shape, path
         assert not np.allclose(a[0], a[1]), path  # each rank's own share, not a replicated sum
         np.testing.assert_allclose(a.sum(axis=0), b, rtol=1e-5, atol=1e-6, err_msg=str(path))
-    # the step's reduction: the same gradient, its squared norm, fresh accumulators
+    # the step's reduction: the same gradient and its squared norm; the accumulators are
+    # dropped until the update has run, then zero
     norm = two.grad_squared_norm()
     reduced = jax.tree.map(np.asarray, two._grads)
     for a, b in zip(jax.tree.leaves(reduced), jax.tree.leaves(whole)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(norm, one.grad_squared_norm(), rtol=1e-5)
+    assert two.grad_acc is None
+    two.update(float(np.sqrt(norm)))
+    assert [a.shape for a in jax.tree.leaves(two.grad_acc)] == [a.shape for a in jax.tree.leaves(per_rank)]
     assert all(not np.asarray(a).any() for a in jax.tree.leaves(two.grad_acc))

@@ -96,10 +96,10 @@ def per_device_array_bytes(tree, device) -> int:
 
 @pytest.mark.parametrize("shard_over_data", [True, False])
 def test_memory_check_counts_params_grads_and_optimizer_state(shard_over_data):
-    """persistent_bytes equals what one device really holds at the update: parameters, f32
-    gradient accumulators (one per data rank: a leading axis split over data), AdamW's two
-    moments (split over data under ZeRO-1) and the step's reduced gradients (the moments'
-    layout)."""
+    """persistent_bytes equals what one device really holds: parameters, f32 gradient
+    accumulators (one per data rank: a leading axis split over data) and AdamW's two moments
+    (split over data under ZeRO-1); at the update the step's reduced gradients (the moments'
+    layout) take the accumulators' place."""
     from h2jax.runtime.stage import StageExecutor
 
     plan = plan_from_dict({
@@ -123,9 +123,10 @@ def test_memory_check_counts_params_grads_and_optimizer_state(shard_over_data):
     reduced = sum(4 * int(np.prod(sh.shard_shape(a.shape[1:])))
                   for a, sh in zip(jax.tree.leaves(ex.grad_acc), jax.tree.leaves(ex.grad_sharding)))
     assert reduced == grads // (2 if shard_over_data else 1)
-    # The update's arguments (parameters, moments, reduced gradients, the global norm: one f32
-    # scalar) and, beside them, the accumulators.
-    assert ex.memory.persistent_bytes == params + grads + opt + reduced + 4
+    # Parameters, moments and the global norm (one f32 scalar), and the accumulators or, in
+    # their place at the update, the reduced gradients (the accumulators are dropped once
+    # reduced and made again after the update).
+    assert ex.memory.persistent_bytes == params + grads + opt + 4
     assert ex.memory.needed_bytes >= ex.memory.persistent_bytes + ex.memory.in_flight * ex.memory.per_micro_batch_bytes
 
 

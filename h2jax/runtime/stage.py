@@ -426,13 +426,15 @@ class StageExecutor:
         else:
             # The step's one reduction over the data ranks: their accumulators summed onto the
             # reduced gradients' layout (ZeRO-1: each rank its slice), with their squared norm
-            # (for the global clipping norm) and fresh accumulators.
+            # (for the global clipping norm). The accumulators are dropped once it has run and
+            # made again after the update (`_fresh`): the reduced gradients and the next
+            # step's accumulators are never held at once.
             def reduce(acc):
                 grads = jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)
-                return squared_norm(grads), grads, _zeros_f32(grads, self.ranks)
+                return squared_norm(grads), grads
 
-            self._reduce = jax.jit(reduce, donate_argnums=(0,),
-                                   out_shardings=(replicated, self.grad_sharding, self.acc_sharding))
+            self._reduce = jax.jit(reduce, out_shardings=(replicated, self.grad_sharding))
+            self._fresh = jax.jit(lambda grads: _zeros_f32(grads, self.ranks), out_shardings=self.acc_sharding)
 
             def update(params, opt_state, grads, norm):
                 return apply_clipped_update(self.tx, params, opt_state, grads, norm, clip_norm)
@@ -469,11 +471,11 @@ class StageExecutor:
         accumulators = 0
         if self.ranks == 1:
             update = self._update.lower(params, opt_state, acc, norm).compile()
-        else:  # the update takes the reduced gradients; the ranks' accumulators stay beside them
+        else:  # the update takes the reduced gradients; the ranks' accumulators live in their place
             grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape[1:], jnp.float32, sharding=sh),
                                  acc, self.grad_sharding)
             update = self._update.lower(params, opt_state, grads, norm).compile()
-            accumulators = per_device_bytes(acc)
+            accumulators = per_device_bytes(acc) - per_device_bytes(grads)
         fused, split = self._micro_batch_programs(self.actions)
         steps, held, forward, cots = [], (), None, ()
         if fused:
@@ -487,6 +489,8 @@ class StageExecutor:
                 steps += [forward, b, self._backward_weight.lower(acc, params, held, cots).compile()]
             else:
                 steps += [forward, self._backward.lower(acc, params, held, dy).compile()]
+        if self._reduce is not None:  # its reduced gradients beside the accumulators, once a step
+            steps.append(self._reduce.lower(acc).compile())
         # the registry's rules (h2jax.schedules): what this stage's action list holds at peak
         p, m = self.plan.n_stages, self.plan.n_micro
         if self.plan.virtual_stages == 1:
@@ -555,7 +559,8 @@ class StageExecutor:
         # stage's mesh); the result is replicated, so the local copy is the whole value.
         if self._reduce is None:
             return float(self._sq_norm(self.grad_acc).addressable_data(0))
-        norm, self._grads, self.grad_acc = self._run(self._reduce, self.grad_acc)
+        norm, self._grads = self._run(self._reduce, self.grad_acc)
+        self.grad_acc = None  # (made again, zero, after the update)
         return float(norm.addressable_data(0))
 
     def update(self, global_norm: float) -> None:
@@ -571,6 +576,7 @@ class StageExecutor:
             self.grad_squared_norm()
         grads, self._grads = self._grads, None
         self.params, self.opt_state = self._run(program, self.params, self.opt_state, grads, jnp.float32(global_norm))
+        self.grad_acc = self._fresh(grads)
 
     def share_state(self, until: threading.Event | None = None) -> tuple[dict, Any]:
         """(parameters, optimizer state) as they are now, valid until `until` is set (for as
