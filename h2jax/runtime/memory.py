@@ -88,9 +88,9 @@ class StageMemory:
         what each in-flight micro-batch keeps (`held`, a tree with shardings) and how many
         are in flight; `forward` is the step whose outputs include `held`, if any; `deferred`
         micro-batches each keeping `deferred_held` between B and W; `accumulators`: bytes per
-        device that persist beside the update's arguments (a data-parallel stage's per-rank
-        gradient accumulators, which its update does not take). None where the backend
-        reports no memory analysis."""
+        device the stage holds outside the update, over its arguments (a data-parallel
+        stage's per-rank gradient accumulators less the reduced gradients that take their
+        place at the update). None where the backend reports no memory analysis."""
         analyses = [c.memory_analysis() for c in (update, *steps)]
         if any(a is None for a in analyses):
             return None
