@@ -327,13 +327,13 @@ class StageExecutor:
     def _output(self, h):
         """The ranks' outputs as the stage's: the micro-batch's mean loss on the last stage
         (the ranks' shares are equal), else their shares back as one boundary activation."""
-        if self.is_last:
-            return jnp.mean(h)
-        return jax.lax.with_sharding_constraint(h.reshape((-1,) + h.shape[2:]), self.boundary_sharding)
+        return jnp.mean(h) if self.is_last else self._input_gradient_out(h)
 
-    def _input_gradient_out(self, dx):
-        return None if dx is None else jax.lax.with_sharding_constraint(
-            dx.reshape((-1,) + dx.shape[2:]), self.boundary_sharding)
+    def _input_gradient_out(self, x):
+        """The ranks' shares of a boundary array (an input gradient, an output) back as one,
+        in the boundary layout; None stays None (the first stage's input gradient)."""
+        return None if x is None else jax.lax.with_sharding_constraint(
+            x.reshape((-1,) + x.shape[2:]), self.boundary_sharding)
 
     def _dy_shares(self, dy):
         """The output gradient per rank: the loss's cotangent over the ranks (the loss is their
