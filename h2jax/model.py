@@ -13,6 +13,7 @@ so a stage that builds layers [start, end) gets bit-identical parameters to the 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,28 @@ def rotary(x_BSNE: jax.Array, theta: float) -> jax.Array:
     return out.astype(x_BSNE.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _kept_softmax(logits: jax.Array, dtype) -> jax.Array:
+    """softmax(logits) over the last axis in `dtype`, differentiated from the probabilities it
+    returns (named "probs": what SAVED_NONE keeps), not from the logits: jax.nn.softmax's own
+    rule recomputes its output from its input, so a backward keeping the probabilities would
+    still recompute the scores' matmul and softmax."""
+    return jax.nn.softmax(logits, axis=-1).astype(dtype)
+
+
+def _kept_softmax_fwd(logits, dtype):
+    probs = saved(jax.nn.softmax(logits, axis=-1).astype(dtype), "probs")
+    return probs, probs
+
+
+def _kept_softmax_bwd(dtype, probs, g):
+    p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
+    return (p * (g - jnp.sum(g * p, axis=-1, keepdims=True)),)
+
+
+_kept_softmax.defvjp(_kept_softmax_fwd, _kept_softmax_bwd)
+
+
 def _xla_attention(q_BSHE, k_BSKE, v_BSKE, precision) -> jax.Array:
     """The explicit path: the full s x s scores in f32, masked, softmax, probabilities kept."""
     B, S, H, E = q_BSHE.shape
@@ -81,7 +104,7 @@ def _xla_attention(q_BSHE, k_BSKE, v_BSKE, precision) -> jax.Array:
     ).astype(q_BSHE.dtype)
     causal_ST = jnp.tril(jnp.ones((S, S), dtype=bool))
     logits_BKGST = jnp.where(causal_ST, logits_BKGST.astype(jnp.float32), -jnp.inf)
-    probs_BKGST = saved(jax.nn.softmax(logits_BKGST, axis=-1).astype(q_BSHE.dtype), "probs")
+    probs_BKGST = _kept_softmax(logits_BKGST, q_BSHE.dtype)
     out_BSKGE = jnp.einsum("bkgst,btke->bskge", probs_BKGST, v_BSKE, precision=precision)
     return out_BSKGE.reshape(B, S, H, E)
 
@@ -144,11 +167,24 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
+        B, S, _ = x_BSD.shape
+        D, H, E = self.wq_DHE.shape
+        K = self.wk_DKE.shape[1]
+        G = H // K
+        # q, k and v from one matmul: the weights side by side per kv head (query head h is
+        # group h // G's member h % G, as the attention groups them), so under tensor
+        # parallelism (heads split over `tensor`, G within each kv head) the stack is local and
+        # the backward sums the three input gradients before their one all-reduce; three
+        # matmuls would all-reduce each of them.
+        w_DKCE = jnp.concatenate(
+            [self.wq_DHE[...].reshape(D, K, G, E), self.wk_DKE[...][:, :, None], self.wv_DKE[...][:, :, None]], axis=2
+        )
+        qkv_BSKCE = jnp.einsum("bsd,dkce->bskce", x_BSD, w_DKCE, precision=p)
         # q and k are kept rotated (the same bytes): the attention's backward needs them so, and
         # the projections' backward needs neither, so nothing recomputes the rotation.
-        q_BSHE = saved(rotary(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), self.theta), "qkv")
-        k_BSKE = saved(rotary(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), self.theta), "qkv")
-        v_BSKE = saved(jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...], precision=p), "qkv")
+        q_BSHE = saved(rotary(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), self.theta), "qkv")
+        k_BSKE = saved(rotary(qkv_BSKCE[:, :, :, G], self.theta), "qkv")
+        v_BSKE = saved(qkv_BSKCE[:, :, :, G + 1], "qkv")
         out_BSHE = saved(causal_attention(q_BSHE, k_BSKE, v_BSKE, self.kernel, p), "attn_out")
         return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...], precision=p)
 
@@ -165,8 +201,12 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
-        gate_BSF = saved(jnp.einsum("bsd,df->bsf", x_BSD, self.w_gate_DF[...], precision=p), "mlp")
-        up_BSF = saved(jnp.einsum("bsd,df->bsf", x_BSD, self.w_up_DF[...], precision=p), "mlp")
+        # gate and up from one matmul (their weights stacked, each split over `tensor` alike):
+        # the backward sums their input gradients before the one all-reduce
+        w_DGF = jnp.stack([self.w_gate_DF[...], self.w_up_DF[...]], axis=1)
+        gate_up_BSGF = jnp.einsum("bsd,dgf->bsgf", x_BSD, w_DGF, precision=p)
+        gate_BSF = saved(gate_up_BSGF[:, :, 0], "mlp")
+        up_BSF = saved(gate_up_BSGF[:, :, 1], "mlp")
         hidden_BSF = saved(jax.nn.silu(gate_BSF) * up_BSF, "mlp")
         return jnp.einsum("bsf,fd->bsd", hidden_BSF, self.w_down_FD[...], precision=p)
 

@@ -39,13 +39,14 @@ def test_the_model_bounds_what_each_stage_needs(name):
     for stage, model, runtime in _stages(name):
         predicted = model.total_bytes(stage.n_layers)  # the planner's fit test compares this
         assert runtime.needed_bytes <= predicted, (stage, runtime, model.breakdown(stage.n_layers))
-        # and not by a wide margin (up to 1.31x measured, on a one-layer tensor-parallel stage)
+        # and not by a wide margin (up to 1.2x measured, on the last stage, which recomputes all)
         assert predicted - model.reserve <= 1.4 * runtime.needed_bytes, (stage, runtime)
-        if runtime.in_flight and not stage.layers[1] == 4 and stage.mesh.tensor == 1:
+        if runtime.in_flight and not stage.layers[1] == 4:
             # a non-last stage keeps per micro-batch the residuals the model counts
             # (model.SAVED_NONE / SAVED_SELECTIVE, or each block's input under "full"), plus
-            # the first stage's integer tokens; never a copy of the parameters. (Under tensor
-            # parallelism XLA keeps some of them split over `tensor`, below the model's count.)
+            # the first stage's integer tokens; never a copy of the parameters. Under tensor
+            # parallelism too: the residual stream is replicated over `tensor` inside a stage
+            # (XLA kept it split as the boundary is, and so kept 0.51-0.88 of the count).
             tokens = 4 * 32 // stage.mesh.data * 4 if stage.layers[0] == 0 else 0
             model_bytes = model.activation_bytes(stage.n_layers) + tokens
             assert 0.85 * model_bytes <= runtime.per_micro_batch_bytes <= model_bytes

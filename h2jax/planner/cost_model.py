@@ -12,11 +12,13 @@ is multiplied with by the chip's attention kernel (chip.attention_kernel): the f
 k = s for the explicit XLA path and the blocked kernel (a masked matmul computes every score),
 k = causal_keys_per_query(s, 128) ~ (s + 128)/2 for cuDNN's flash kernel, which skips the
 tiles above the diagonal. The matmuls' backward costs twice their forward, the attention
-core's ATTENTION_BACKWARD[kernel] times its forward: 2 for XLA (four matmuls), 2.5 for cuDNN
-(FlashAttention-2 recomputes QK^T: five), 3 for blocked (each block's forward re-run, then
-four). The weight-gradient share is n * 2*P_mm / T. Recomputation adds work to the backward:
-`full` adds a whole forward, `selective` (Korthikanti et al. 2022: recompute the attention
-core only) adds the attention core's forward. Kernels that put the scores in memory (XLA,
+core's ATTENTION_BACKWARD[kernel] times its forward: 2 for XLA (four matmuls from the kept
+probabilities), 2.5 for cuDNN (FlashAttention-2 recomputes QK^T: five) and for blocked (each
+block's scores recomputed, then four). The weight-gradient share is n * 2*P_mm / T.
+Recomputation adds work to the backward: `full` adds the forward but the MLP's down
+projection (n * 2*d*F / T FLOPs: its output is not needed), `selective` (Korthikanti et al.
+2022: the attention core only) SELECTIVE_RECOMPUTE[kernel] of the attention core's forward
+(XLA: the scores' matmul and softmax). Kernels that put the scores in memory (XLA,
 blocked) also move them through HBM: n*h*s*(8 + 2a)/T bytes per forward (f32 logits written
 and read, probabilities in the compute dtype written and read), the backward the same
 multiple of that as of the FLOPs, at the chip's HBM bandwidth (`hbm_gbps`; without it
@@ -44,7 +46,8 @@ carry one, so over (m + p - 1) slots of a uniform 1F1B pipeline the step grows b
 (2*(m + p - 1) + 1) * dispatch.
 
 Tensor parallelism (Megatron, no sequence parallelism): two all-reduces of n*d activations
-per layer forward and two backward (two more if the backward recomputes the forward), as a
+per layer forward and two backward (one more if the backward recomputes the forward:
+`tensor_all_reduces`, what the runtime's compiled programs hold), as a
 ring on intra-node bandwidth (if T exceeds chips_per_node: each chip's share of its node's
 NICs, inter_node_share = min(inter_node_gbps, nics_per_node * inter_node_gbps / chips on
 the node)):
@@ -183,8 +186,26 @@ def matmul_params(model: ModelConfig) -> int:
     return d * model.n_heads * e + 2 * d * model.n_kv_heads * e + model.n_heads * e * d + 3 * d * model.d_ff
 
 
-# Backward FLOPs of the attention core as a multiple of its forward, per attention kernel.
-ATTENTION_BACKWARD = {"xla": 2.0, "cudnn": 2.5, "blocked": 3.0}
+# Backward FLOPs of the attention core as a multiple of its forward, per attention kernel:
+# XLA's four matmuls from the kept probabilities; cuDNN's FlashAttention-2 and the blocked
+# kernel (each block a checkpoint) recompute the scores' matmul first: five.
+ATTENTION_BACKWARD = {"xla": 2.0, "cudnn": 2.5, "blocked": 2.5}
+# Under `selective` recomputation (the probabilities not kept), the share of the attention
+# core's forward FLOPs the backward runs again: XLA the scores' matmul and softmax (the core's
+# output is kept, so not the second matmul); cuDNN its whole kernel (it keeps its softmax
+# statistics only inside the kernel's own residuals); the blocked kernel nothing more than its
+# backward recomputes anyway.
+SELECTIVE_RECOMPUTE = {"xla": 0.5, "cudnn": 1.0, "blocked": 0.0}
+
+
+def tensor_all_reduces(recompute: str) -> tuple[int, int]:
+    """(forward, backward) all-reduces of one micro-batch's n x d activation per layer on a
+    tensor-parallel stage (Megatron, the residual stream replicated over `tensor`, model.py):
+    forward the attention's and the MLP's output projections; backward the input gradients of
+    the fused q/k/v matmul and the fused gate/up matmul; under `full` recomputation also the
+    recomputed forward's attention projection (the MLP's is not recomputed: its output, the
+    block's, is not needed for the gradients)."""
+    return 2, 3 if recompute == "full" else 2
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int, kernel: str = "xla") -> float:
@@ -284,10 +305,18 @@ def stage_terms(
     mem_s = tokens * memory_bound_bytes_per_token(model, tensor, act_bytes) / hbm
     mm_flops = tokens * 2.0 * matmul_params(model) / tensor
     attn_flops = tokens * attention_flops_per_token(model, seq_len, kernel) / tensor
-    attn_s = attn_flops / rate + tokens * attention_score_bytes_per_token(model, seq_len, kernel, act_bytes) / tensor / hbm
+    score_s = tokens * attention_score_bytes_per_token(model, seq_len, kernel, act_bytes) / tensor / hbm
+    attn_s = attn_flops / rate + score_s
     fwd_flops = mm_flops + attn_flops
-    recompute_flops = {"none": 0.0, "selective": attn_flops, "full": fwd_flops}[recompute]
-    recompute_s = {"none": 0.0, "selective": attn_s, "full": mm_flops / rate + attn_s}[recompute]
+    if recompute == "full":  # the forward again but the MLP's last matmul, whose output the backward never needs
+        down_flops = tokens * 2.0 * d * model.d_ff / tensor
+        recompute_flops, recompute_s = fwd_flops - down_flops, (mm_flops - down_flops) / rate + attn_s
+    elif recompute == "selective":  # what the attention core recomputes once its probabilities are not kept
+        share = SELECTIVE_RECOMPUTE[kernel]
+        recompute_flops, recompute_s = share * attn_flops, share * attn_flops / rate + (score_s if share else 0.0)
+    else:
+        recompute_flops = recompute_s = 0.0
+    fwd_ar, bwd_ar = tensor_all_reduces(recompute)
 
     entry = profile.lookup(chip.name, tensor, int(round(tokens)), recompute) if profile else None
     measured_act: int | None = None
@@ -302,11 +331,11 @@ def stage_terms(
         if entry.recompute == recompute:
             measured_act = entry.activation_bytes
     else:
-        fwd_layer = mm_flops / rate + attn_s + mem_s + 2 * tp_ar
+        fwd_layer = mm_flops / rate + attn_s + mem_s + fwd_ar * tp_ar
         bwd_layer = (
             2.0 * mm_flops / rate + ATTENTION_BACKWARD[kernel] * attn_s + recompute_s
             + MEMORY_BOUND_BACKWARD * mem_s + (mem_s if recompute == "full" else 0.0)
-            + (4 if recompute == "full" else 2) * tp_ar
+            + bwd_ar * tp_ar
         )
         bwd_weight_layer = mm_flops / rate
 

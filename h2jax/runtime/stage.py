@@ -262,6 +262,11 @@ class StageExecutor:
                 if j == 0 and not self.is_first:
                     h_in = jax.lax.with_sharding_constraint(h_in, self._inner_hidden).astype(self.compute_dtype)
                 out = self._piece(model, name, h_in, labels)
+                if j < len(names) - 1 or not self.is_last:
+                    # the residual stream replicated over tensor (Megatron): left to itself,
+                    # XLA spreads the boundary's split over tensor back into the blocks and
+                    # pays an all-gather before each matmul and a sum per norm
+                    out = jax.lax.with_sharding_constraint(out, self._inner_hidden)
                 if j == len(names) - 1 and not self.is_last:
                     out = jax.lax.with_sharding_constraint(out.astype(self.boundary_dtype), self._inner_boundary)
                 return out
