@@ -167,24 +167,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
-        B, S, _ = x_BSD.shape
-        D, H, E = self.wq_DHE.shape
-        K = self.wk_DKE.shape[1]
-        G = H // K
-        # q, k and v from one matmul: the weights side by side per kv head (query head h is
-        # group h // G's member h % G, as the attention groups them), so under tensor
-        # parallelism (heads split over `tensor`, G within each kv head) the stack is local and
-        # the backward sums the three input gradients before their one all-reduce; three
-        # matmuls would all-reduce each of them.
-        w_DKCE = jnp.concatenate(
-            [self.wq_DHE[...].reshape(D, K, G, E), self.wk_DKE[...][:, :, None], self.wv_DKE[...][:, :, None]], axis=2
-        )
-        qkv_BSKCE = jnp.einsum("bsd,dkce->bskce", x_BSD, w_DKCE, precision=p)
         # q and k are kept rotated (the same bytes): the attention's backward needs them so, and
         # the projections' backward needs neither, so nothing recomputes the rotation.
-        q_BSHE = saved(rotary(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), self.theta), "qkv")
-        k_BSKE = saved(rotary(qkv_BSKCE[:, :, :, G], self.theta), "qkv")
-        v_BSKE = saved(qkv_BSKCE[:, :, :, G + 1], "qkv")
+        q_BSHE = saved(rotary(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), self.theta), "qkv")
+        k_BSKE = saved(rotary(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), self.theta), "qkv")
+        v_BSKE = saved(jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...], precision=p), "qkv")
         out_BSHE = saved(causal_attention(q_BSHE, k_BSKE, v_BSKE, self.kernel, p), "attn_out")
         return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...], precision=p)
 
@@ -201,12 +188,8 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
-        # gate and up from one matmul (their weights stacked, each split over `tensor` alike):
-        # the backward sums their input gradients before the one all-reduce
-        w_DGF = jnp.stack([self.w_gate_DF[...], self.w_up_DF[...]], axis=1)
-        gate_up_BSGF = jnp.einsum("bsd,dgf->bsgf", x_BSD, w_DGF, precision=p)
-        gate_BSF = saved(gate_up_BSGF[:, :, 0], "mlp")
-        up_BSF = saved(gate_up_BSGF[:, :, 1], "mlp")
+        gate_BSF = saved(jnp.einsum("bsd,df->bsf", x_BSD, self.w_gate_DF[...], precision=p), "mlp")
+        up_BSF = saved(jnp.einsum("bsd,df->bsf", x_BSD, self.w_up_DF[...], precision=p), "mlp")
         hidden_BSF = saved(jax.nn.silu(gate_BSF) * up_BSF, "mlp")
         return jnp.einsum("bsf,fd->bsd", hidden_BSF, self.w_down_FD[...], precision=p)
 

@@ -39,7 +39,7 @@ def test_the_model_bounds_what_each_stage_needs(name):
     for stage, model, runtime in _stages(name):
         predicted = model.total_bytes(stage.n_layers)  # the planner's fit test compares this
         assert runtime.needed_bytes <= predicted, (stage, runtime, model.breakdown(stage.n_layers))
-        # and not by a wide margin (up to 1.2x measured, on the last stage, which recomputes all)
+        # and not by a wide margin (up to 1.3x measured, on the last stage, which recomputes all)
         assert predicted - model.reserve <= 1.4 * runtime.needed_bytes, (stage, runtime)
         if runtime.in_flight and not stage.layers[1] == 4:
             # a non-last stage keeps per micro-batch the residuals the model counts

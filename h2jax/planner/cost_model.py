@@ -47,7 +47,7 @@ carry one, so over (m + p - 1) slots of a uniform 1F1B pipeline the step grows b
 
 Tensor parallelism (Megatron, no sequence parallelism): two all-reduces of n*d activations
 per layer forward and two backward (one more if the backward recomputes the forward:
-`tensor_all_reduces`, what the runtime's compiled programs hold), as a
+`tensor_all_reduces`; the runtime's backward runs five, TENSOR_BACKWARD_RUN, a known gap), as a
 ring on intra-node bandwidth (if T exceeds chips_per_node: each chip's share of its node's
 NICs, inter_node_share = min(inter_node_gbps, nics_per_node * inter_node_gbps / chips on
 the node)):
@@ -199,13 +199,21 @@ SELECTIVE_RECOMPUTE = {"xla": 0.5, "cudnn": 1.0, "blocked": 0.0}
 
 
 def tensor_all_reduces(recompute: str) -> tuple[int, int]:
-    """(forward, backward) all-reduces of one micro-batch's n x d activation per layer on a
-    tensor-parallel stage (Megatron, the residual stream replicated over `tensor`, model.py):
-    forward the attention's and the MLP's output projections; backward the input gradients of
-    the fused q/k/v matmul and the fused gate/up matmul; under `full` recomputation also the
+    """(forward, backward) all-reduces of one micro-batch's n x d activation per layer that the
+    model prices on a tensor-parallel stage (Megatron, the residual stream replicated over
+    `tensor`): forward the attention's and the MLP's output projections; backward the input
+    gradients of the q/k/v and of the gate/up projections; under `full` recomputation also the
     recomputed forward's attention projection (the MLP's is not recomputed: its output, the
-    block's, is not needed for the gradients)."""
+    block's, is not needed for the gradients). The forward is what XLA compiles; its backward
+    all-reduces each of the q, k, v, gate and up input gradients on its own (TENSOR_BACKWARD_RUN
+    all-reduces, three more than priced: a known gap, docs/planner.md)."""
     return 2, 3 if recompute == "full" else 2
+
+
+# What the runtime's compiled backward holds per layer (XLA, every backend this was counted
+# on: XLA:CPU): the five column-parallel input gradients all-reduced one by one (+1 under
+# full recomputation). tests/test_tensor_parallel_collectives.py pins it beside the model's.
+TENSOR_BACKWARD_RUN = {"none": 5, "selective": 5, "full": 6}
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int, kernel: str = "xla") -> float:
