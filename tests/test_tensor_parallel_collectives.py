@@ -36,11 +36,12 @@ def _middle_stage(data: int, tensor: int, recompute: str):
 
 
 def _programs(ex):
-    """(forward, backward) of one micro-batch, lowered."""
+    """(forward, backward) of one micro-batch: the forward compiled (its outputs give the
+    backward's residuals), the backward lowered."""
     params, _, acc = ex._abstract_state
     x = jax.ShapeDtypeStruct((MICRO, SEQ, MODEL.d_model), ex.boundary_dtype, sharding=ex.input_sharding)
-    forward = ex._forward.lower(params, x, None)
-    _, held = forward.compile().out_info
+    forward = ex._forward.lower(params, x, None).compile()
+    _, held = forward.out_info
     dy = jax.ShapeDtypeStruct((MICRO, SEQ, MODEL.d_model), ex.boundary_dtype, sharding=ex.boundary_sharding)
     return forward, ex._backward.lower(acc, params, held, dy)
 
@@ -64,7 +65,8 @@ def _activation_collectives(compiled_text: str, elements: int) -> dict[str, int]
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_a_tensor_parallel_stage_all_reduces_what_the_cost_model_prices(recompute, data):
     ex = _middle_stage(data, 2, recompute)
-    forward, backward = (p.compile().as_text() for p in _programs(ex))
+    forward, backward = _programs(ex)
+    forward, backward = forward.as_text(), backward.compile().as_text()
     elements = MICRO // data * SEQ * MODEL.d_model
     fwd, bwd = tensor_all_reduces(recompute)
     assert _activation_collectives(forward, elements) == {"all-reduce": fwd * LAYERS, "all-gather": 1}
