@@ -10,8 +10,12 @@ alike) and the median step is reported. One traced step per schedule gives the m
 bubble (the one definition, h2jax.schedules.bubble_fraction, on the measured timeline: the
 stages' compute seconds against four times the span from the first compute to the last) and
 the per-action times the simulator replays: forward and whole backward per stage from GPipe's
-step, the weight-gradient share from ZB-H1's B and W, the optimizer from each (interleaved
-1F1B is simulated on those same whole-stage costs, each chunk costing half).
+step, ZB-H1's own B and W (its W re-runs each block's backward, so B + W exceeds the whole
+backward: the cost model's `split_backward_as_run`), the optimizer from each (interleaved
+1F1B is simulated on the whole-stage costs, each chunk costing half). `zb_h1_over_1f1b`:
+ZB-H1's step time over 1F1B's, measured, simulated and `predicted` (the cost model's, from
+the chip file alone: a ratio, whose absolute times need a calibrated profile, as in
+benchmarks/cost_model.py).
 
 Prints one JSON object; every figure is from EMULATED chips.
     python benchmarks/schedules.py [--steps 6] [--chip emu-mid]
@@ -102,9 +106,15 @@ def main() -> None:
     f, b = per_stage(traced["gpipe"], "F"), per_stage(traced["gpipe"], "B")
     b_in, w = per_stage(traced["zb-h1"], "B"), per_stage(traced["zb-h1"], "W")
     opt = optimizer(traced["1f1b"])
-    costs = [StageCost(forward_s=f[i], backward_s=b[i], backward_weight_s=b[i] * w[i] / (b_in[i] + w[i]),
-                       send_s=0.0, send_bytes=0, dp_reduce_s=0.0, optimizer_s=opt[i], activation_bytes=0,
-                       static_bytes=0) for i in range(p)]
+    def stage_costs(backward, weight):
+        return [StageCost(forward_s=f[i], backward_s=backward[i], backward_weight_s=weight[i], send_s=0.0,
+                          send_bytes=0, dp_reduce_s=0.0, optimizer_s=opt[i], activation_bytes=0, static_bytes=0)
+                for i in range(p)]
+
+    # ZB-H1 replays its own B and W (W re-runs each block's backward: B + W > the whole
+    # backward, as the cost model prices it); the others GPipe's whole backward
+    costs = stage_costs(b, [0.0] * p)
+    split_costs = stage_costs([x + y for x, y in zip(b_in, w)], w)
 
     out: dict = {
         "emulated": True, "chip": args.chip, "stages": p, "micro_batches": m, "layers": L,
@@ -116,12 +126,13 @@ def main() -> None:
     for name, v in schedules.variants():
         if v not in (1, 2):
             continue
-        sim = simulate(costs, m, name, virtual_stages=v)
+        run = split_costs if schedules.get_schedule(name).splits_backward else costs
+        sim = simulate(run, m, name, virtual_stages=v)
         row = {
             "virtual_stages": v,
             "simulated": {"step_time_s": sim.iteration_s, "bubble_fraction": sim.bubble_fraction},
-            "closed_form": {"step_time_s": cost_model.iteration_time(costs, m, name, v),
-                            "bubble_fraction": cost_model.bubble_fraction(costs, m, name, v)},
+            "closed_form": {"step_time_s": cost_model.iteration_time(run, m, name, v),
+                            "bubble_fraction": cost_model.bubble_fraction(run, m, name, v)},
         }
         if name in trainers and trainers[name].plan.virtual_stages == v:
             row["measured"] = {"step_time_s": statistics.median(times[name]), "step_times_s": times[name],
@@ -131,9 +142,16 @@ def main() -> None:
             row["not_measured_because"] = f"this benchmark trains interleaved 1F1B with v = {V} only"
         out["schedules"][name] = row
     rows = out["schedules"]
+
+    def predicted(name: str) -> float:  # the cost model's step time of a trained plan, from the chip file
+        planned = trainers[name].plan
+        return cost_model.iteration_time(cost_model.stage_costs(planned, None), planned.n_micro, name,
+                                         planned.virtual_stages)
+
     out["zb_h1_over_1f1b"] = {
         "measured": rows["zb-h1"]["measured"]["step_time_s"] / rows["1f1b"]["measured"]["step_time_s"],
         "simulated": rows["zb-h1"]["simulated"]["step_time_s"] / rows["1f1b"]["simulated"]["step_time_s"],
+        "predicted": predicted("zb-h1") / predicted("1f1b"),
     }
     out["interleaved_over_1f1b"] = {
         "measured": rows["interleaved-1f1b"]["measured"]["step_time_s"] / rows["1f1b"]["measured"]["step_time_s"],

@@ -57,6 +57,7 @@ from h2jax.config import ConfigError, preset_name
 from h2jax.plan import Plan, load_plan
 from h2jax.planner import cost_model as cm
 from h2jax.planner.profile import Profile, ProfileEntry
+from h2jax.schedules import get_schedule
 from h2jax.trace import TraceEvent
 
 _ACTION = re.compile(r"(SEND_ACT|RECV_ACT|SEND_GRAD|RECV_GRAD)(\d+)(?:c(\d+))?$")
@@ -240,6 +241,7 @@ def calibrated_profile(
     earlier_head = fits.setdefault(last, {}).get("head_scale")
     fits[last]["head_scale"] = 1.0  # the head as modelled, while the layers are solved
     terms, costs, only = analytical()
+    split = get_schedule(plan.schedule).splits_backward
     groups: dict[tuple, list[int]] = {}
     for i, st in enumerate(plan.stages):
         tokens = int(round(plan.micro_batch / st.mesh.data * plan.seq_len))
@@ -253,7 +255,13 @@ def calibrated_profile(
                   for i in layer_from) / layers
         bwd = sum(max(measured.stages[i].backward_s - terms[i].bwd_end, 0.1 * measured.stages[i].backward_s)
                   for i in layer_from) / layers
-        new[key] = (fwd + d, bwd + d)
+        if split:  # measured B + W as run: the entry holds the whole backward
+            chip, tensor, tokens, recompute = key
+            share = cm.entry_weight_share(plan.model, plan.seq_len, tokens, tensor, recompute,
+                                          chips[chip].attention_kernel)
+            new[key] = (fwd + d, cm.whole_backward_of_split(bwd, share) + d)
+        else:
+            new[key] = (fwd + d, bwd + d)
         if p - 1 in members and p - 1 not in layer_from:
             fits[last]["head_scale"] = _head_scale(plan, chips, only, options, measured.stages[-1],
                                                    terms[-1], fwd + bwd)
@@ -281,7 +289,8 @@ def _head_scale(plan: Plan, chips: Mapping[str, Any], only: Profile, options: cm
     st, i = plan.stages[-1], plan.n_stages - 1
     held, deferred = cm.memory_holds(plan.schedule, i, plan.n_stages, plan.n_micro, cm.virtual_stages(plan))
     no_head = cm.stage_terms(plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data,
-                             st.mesh.tensor, st.recompute, i == 0, False, held, only, options, deferred)
+                             st.mesh.tensor, st.recompute, i == 0, False, held, only, options, deferred,
+                             get_schedule(plan.schedule).splits_backward)
     head = (t_last.fwd_end + t_last.bwd_end) - (no_head.fwd_end + no_head.bwd_end)
     rest = measured.forward_s + measured.backward_s - st.n_layers * per_layer - (no_head.fwd_end + no_head.bwd_end)
     if head <= 0:

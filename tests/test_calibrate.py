@@ -145,6 +145,22 @@ def test_the_calibrated_profile_makes_the_model_predict_what_was_measured():
         / (FWD[0] + BWD[0] - 2 * 50e-6))
 
 
+def test_a_zb_h1_run_is_calibrated_to_its_measured_b_plus_w():
+    """Under ZB-H1 a stage's measured backward is its B and W together, which the cost model
+    prices as run (cost_model.split_backward_as_run): the profile's entries hold the whole
+    backward, so the model under it predicts the measured B + W again, not more."""
+    import dataclasses
+
+    plan = dataclasses.replace(two_stage_plan(n_micro=2), schedule="zb-h1")
+    _, profile = calibrate(plan, events=synthetic_trace(plan, 4, FWD, BWD, OPT))
+    costs = cm.stage_costs(plan, None, profile)
+    for i in range(2):
+        assert costs[i].forward_s == pytest.approx(FWD[i], rel=1e-9)
+        assert costs[i].backward_s == pytest.approx(BWD[i], rel=1e-9)
+    one_f_one_b = dataclasses.replace(plan, schedule="1f1b")  # the same entries: the whole backward
+    assert cm.stage_costs(one_f_one_b, None, profile)[0].backward_s < BWD[0]
+
+
 def test_calibrating_twice_keeps_the_first_profiles_other_entries():
     plan = two_stage_plan(n_micro=2)
     _, first = calibrate(plan, events=synthetic_trace(plan, 3, FWD, BWD, OPT))

@@ -292,3 +292,45 @@ def test_the_loss_over_the_vocabulary_is_memory_bound_and_head_scale_multiplies_
     doubled = terms(dataclasses.replace(c, head_scale=2.0), last=True)
     assert doubled.fwd_end == pytest.approx(2 * last.fwd_end, rel=1e-12)
     assert doubled.bwd_weight_end == pytest.approx(2 * last.bwd_weight_end, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- a split backward as run
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("first, last", [(False, False), (True, False), (False, True)])
+def test_a_split_backward_is_priced_as_run_b_less_w_then_a_whole_backward(recompute, first, last):
+    """Under ZB-H1 B drops the weight-gradient matmuls (b - w) and W re-runs the whole
+    backward (b): B + W = 2b - w and W = b, per layer and in the end terms; the forward,
+    tail and memory are the same."""
+    c = chip(dispatch_us=100.0)
+    one = cm.stage_terms(TINY, S, 2, c, 1, 1, recompute, first, last, 2, deferred=2)
+    split = cm.stage_terms(TINY, S, 2, c, 1, 1, recompute, first, last, 2, deferred=2, splits_backward=True)
+    assert split.bwd_layer == pytest.approx(2 * one.bwd_layer - one.bwd_weight_layer, rel=1e-12)
+    assert split.bwd_weight_layer == one.bwd_layer
+    assert split.bwd_end == pytest.approx(2 * one.bwd_end - one.bwd_weight_end, rel=1e-12)
+    assert split.bwd_weight_end == one.bwd_end  # W's own dispatch with it
+    assert split.bwd_layer - split.bwd_weight_layer == pytest.approx(one.bwd_layer - one.bwd_weight_layer)  # B
+    assert (split.fwd_layer, split.fwd_end, split.tail_layer, split.tail_end, split.mem) == (
+        one.fwd_layer, one.fwd_end, one.tail_layer, one.tail_end, one.mem)
+
+
+def test_a_zb_h1_plan_is_priced_with_its_split_backward_and_a_1f1b_plan_without():
+    plan = _plan(2, 4)
+    zb = dataclasses.replace(plan, schedule="zb-h1")
+    for i, (a, b) in enumerate(zip(cm.plan_stage_terms(plan, {"x": chip()}), cm.plan_stage_terms(zb, {"x": chip()}))):
+        assert b.bwd_layer == pytest.approx(2 * a.bwd_layer - a.bwd_weight_layer, rel=1e-12)
+        assert b.bwd_weight_layer == a.bwd_layer
+    costs = cm.stage_costs(zb, {"x": chip()})
+    plain = cm.stage_costs(plan, {"x": chip()})
+    assert costs[0].backward_weight_s == pytest.approx(plain[0].backward_s, rel=1e-12)  # W: a whole backward
+
+
+def test_a_measured_entrys_split_backward_inverts_to_its_whole_backward():
+    """Calibration from a ZB-H1 run stores the whole backward: the entry priced as run gives
+    back the measured B + W."""
+    share = cm.entry_weight_share(TINY, S, 2 * S, 1, "none", "xla")
+    assert 0 < share < 0.5
+    b = 0.02
+    split_s = cm.split_backward_as_run(b, share * b)[0]
+    assert cm.whole_backward_of_split(split_s, share) == pytest.approx(b, rel=1e-12)

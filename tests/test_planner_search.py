@@ -254,8 +254,9 @@ def test_the_exact_search_extends_to_every_schedule(case, seq, batch, schedule):
 
 
 def test_auto_computes_each_stage_term_once_for_all_its_schedules(monkeypatch):
-    """A stage's terms depend on its micro-batches in flight and deferred gradients, not on
-    the schedule: under auto the schedules' searches share one cache (`Context.sharing_terms`),
+    """A stage's terms depend on its micro-batches in flight and deferred gradients and
+    whether its schedule splits the backward (ZB-H1's B and W as run), not on the schedule
+    otherwise: under auto the schedules' searches share one cache (`Context.sharing_terms`),
     each term computed once, and the plan is the one its schedule alone gives."""
     from h2jax.planner import cost_model
 

@@ -69,6 +69,15 @@ def test_uniform_zb_h1_matches_paper_bubble():
     assert max(r.peak_in_flight) == p  # the same peak as 1F1B's first stage
 
 
+@pytest.mark.parametrize("f, b_in, w", [(1.0, 2.0, 3.0), (2.0, 1.0, 3.0), (1.0, 1.0, 3.0), (1.0, 2.0, 2.0)])
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 8), (6, 12)])
+def test_uniform_zb_h1_with_w_above_b_fills_max_f_b_a_middle_stage(f, b_in, w, p, m):
+    # W >= B (the split backward as this runtime runs it: W a whole backward): each middle
+    # stage's share of the fill is max(f, B), what ZB-H1's closed form takes (B, with B >= f)
+    r = simulate([cost(f, b_in + w, w)] * p, m, "zb-h1", global_clip=False)
+    assert r.iteration_s == pytest.approx(m * (f + b_in + w) + (p - 1) * max(f, b_in), rel=1e-12)
+
+
 @pytest.mark.parametrize("p,m,v", [(1, 3, 2), (2, 4, 2), (4, 8, 2), (4, 8, 4), (3, 3, 3), (3, 12, 2)])
 def test_uniform_interleaved_matches_its_closed_form(p, m, v):
     # Megatron: m*t + (p - 1)*t/v, a v-th of 1F1B's fill and drain.

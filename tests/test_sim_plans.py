@@ -62,7 +62,9 @@ def test_simulate_cli_json_trace_plot(tmp_path, capsys):
     # every registered schedule the plan's 3 stages and 4 micro-batches can run (interleaved
     # needs a multiple of 3 micro-batches)
     assert set(out["schedules"]) == {"gpipe", "1f1b", "zb-h1"}
-    assert out["schedules"]["zb-h1"]["step_time_s"] <= out["schedules"]["1f1b"]["step_time_s"]
+    # more micro-batches than stages: ZB-H1's W, a whole backward as the runtime runs it
+    # (cost_model.split_backward_as_run), costs more than its W's save in the fill and drain
+    assert out["schedules"]["zb-h1"]["step_time_s"] > out["schedules"]["1f1b"]["step_time_s"]
     assert out["schedules"]["1f1b"]["step_time_s"] == out["step_time_s"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1, 2}

@@ -210,9 +210,11 @@ def tensor_all_reduces(recompute: str) -> tuple[int, int]:
     return 2, 3 if recompute == "full" else 2
 
 
-# What the runtime's compiled backward holds per layer (XLA, every backend this was counted
-# on: XLA:CPU): the five column-parallel input gradients all-reduced one by one (+1 under
-# full recomputation). tests/test_tensor_parallel_collectives.py pins it beside the model's.
+# What the runtime's compiled backward holds per layer on XLA:CPU (the one backend this was
+# counted on): the five column-parallel input gradients all-reduced one by one (+1 under
+# full recomputation). XLA's GPU compiler reassociates sums of all-reduces into one
+# (AllReduceReassociate), which would leave the two priced there: unverified, no GPU here.
+# tests/test_tensor_parallel_collectives.py pins it beside the model's.
 TENSOR_BACKWARD_RUN = {"none": 5, "selective": 5, "full": 6}
 
 
@@ -299,7 +301,10 @@ def stage_terms(
     profile: Profile | None = None,
     options: CostOptions = CostOptions(),
     deferred: int = 0,
+    splits_backward: bool = False,
 ) -> StageTerms:
+    """A stage shape's StageTerms; `splits_backward`: its schedule runs the backward as B and
+    W (`split_backward_as_run`: what each of them runs)."""
     chip = calibrated(chip, profile)
     d, V = model.d_model, model.vocab_size
     tokens = micro_batch / data * seq_len
@@ -311,19 +316,16 @@ def stage_terms(
     hbm = chip.hbm_bytes_per_s
     dispatch = chip.dispatch_s
     mem_s = tokens * memory_bound_bytes_per_token(model, tensor, act_bytes) / hbm
-    mm_flops = tokens * 2.0 * matmul_params(model) / tensor
-    attn_flops = tokens * attention_flops_per_token(model, seq_len, kernel) / tensor
+    mm_flops, attn_flops, recompute_flops = layer_flops(model, seq_len, tokens, tensor, recompute, kernel)
     score_s = tokens * attention_score_bytes_per_token(model, seq_len, kernel, act_bytes) / tensor / hbm
     attn_s = attn_flops / rate + score_s
     fwd_flops = mm_flops + attn_flops
     if recompute == "full":  # the forward again but the MLP's last matmul, whose output the backward never needs
-        down_flops = tokens * 2.0 * d * model.d_ff / tensor
-        recompute_flops, recompute_s = fwd_flops - down_flops, (mm_flops - down_flops) / rate + attn_s
+        recompute_s = (mm_flops - tokens * 2.0 * d * model.d_ff / tensor) / rate + attn_s
     elif recompute == "selective":  # what the attention core recomputes once its probabilities are not kept
-        share = SELECTIVE_RECOMPUTE[kernel]
-        recompute_flops, recompute_s = share * attn_flops, share * attn_flops / rate + (score_s if share else 0.0)
+        recompute_s = recompute_flops / rate + (score_s if recompute_flops else 0.0)
     else:
-        recompute_flops = recompute_s = 0.0
+        recompute_s = 0.0
     fwd_ar, bwd_ar = tensor_all_reduces(recompute)
 
     entry = profile.lookup(chip.name, tensor, int(round(tokens)), recompute) if profile else None
@@ -335,7 +337,7 @@ def stage_terms(
         if entry.recompute != recompute:  # measured without it: add the recomputed forward share
             bwd_plain += fwd_layer * recompute_flops / fwd_flops
         bwd_layer = bwd_plain
-        bwd_weight_layer = bwd_layer * mm_flops / (2.0 * fwd_flops + recompute_flops)
+        bwd_weight_layer = bwd_layer * entry_weight_share(model, seq_len, tokens, tensor, recompute, kernel)
         if entry.recompute == recompute:
             measured_act = entry.activation_bytes
     else:
@@ -370,6 +372,10 @@ def stage_terms(
     tail_layer = dp_layer + opt_per_param * model.layer_param_count()
     tail_end = dp_end + opt_per_param * end_params + dispatch  # the update is one more program
 
+    if splits_backward:
+        (bwd_layer, bwd_weight_layer), (bwd_end, bwd_weight_end) = (
+            split_backward_as_run(bwd_layer, bwd_weight_layer), split_backward_as_run(bwd_end, bwd_weight_end))
+
     mem = mm.stage_memory_terms(
         model, seq_len, micro_batch, chip, data, tensor, recompute, first, last, in_flight,
         options.shard_optimizer, options.optimizer, measured_act, deferred,
@@ -378,6 +384,47 @@ def stage_terms(
         fwd_layer, fwd_end, bwd_layer, bwd_end, bwd_weight_layer, bwd_weight_end,
         tail_layer, tail_end, dp_layer, dp_end, mem,
     )
+
+
+def layer_flops(model: ModelConfig, seq_len: int, tokens: float, tensor: int, recompute: str,
+                kernel: str) -> tuple[float, float, float]:
+    """(matmul, attention core, recomputed) FLOPs of one layer's forward per device: `full`
+    recomputes the forward but the MLP's down projection, whose output the backward never
+    needs; `selective` SELECTIVE_RECOMPUTE[kernel] of the attention core (what it recomputes
+    once its probabilities are not kept)."""
+    mm = tokens * 2.0 * matmul_params(model) / tensor
+    attn = tokens * attention_flops_per_token(model, seq_len, kernel) / tensor
+    if recompute == "full":
+        return mm, attn, mm + attn - tokens * 2.0 * model.d_model * model.d_ff / tensor
+    if recompute == "selective":
+        return mm, attn, SELECTIVE_RECOMPUTE[kernel] * attn
+    return mm, attn, 0.0
+
+
+def entry_weight_share(model: ModelConfig, seq_len: int, tokens: float, tensor: int, recompute: str,
+                       kernel: str) -> float:
+    """The weight-gradient part of a profile entry's measured whole backward: its matmuls'
+    share of the backward's FLOPs, mm / (2 * forward + recomputed)."""
+    mm, attn, again = layer_flops(model, seq_len, tokens, tensor, recompute, kernel)
+    return mm / (2.0 * (mm + attn) + again)
+
+
+def split_backward_as_run(backward: float, weight: float) -> tuple[float, float]:
+    """(B + W, W) of a split backward as the runtime runs it, from the whole backward b and
+    its weight-gradient part w: B (the input-gradient chain) drops the weight-gradient
+    matmuls, b - w; W takes each piece's output gradient and differentiates the piece for its
+    parameters, which re-runs the piece's own input-gradient chain (the gradient reaches the
+    first matmul's weights only through the later ones) and its recomputation: a whole
+    backward, b, with its own dispatch (benchmarks/schedules.py measures B and W). ZB-H1
+    (Qi et al.) assumes W = w alone, which needs each matmul's output gradient kept from
+    B (a per-matmul split of the blocks' backward, not built): docs/planner.md."""
+    return 2.0 * backward - weight, backward
+
+
+def whole_backward_of_split(split_s: float, weight_share: float) -> float:
+    """The whole backward b whose `split_backward_as_run` B + W is `split_s`, w being
+    `weight_share` of b (calibration from a split-backward run: its entries hold b)."""
+    return split_s / (2.0 - weight_share)
 
 
 def per_layer_of_entry(seconds: float, dispatch: float) -> float:
@@ -450,6 +497,7 @@ def plan_stage_terms(
         out.append(stage_terms(
             plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
             st.recompute, i == 0, i == p - 1, held, profile, options, deferred,
+            get_schedule(plan.schedule).splits_backward,
         ))
     return out
 

@@ -216,7 +216,8 @@ class Context:
     def sharing_terms(self, other: "Context") -> "Context":
         """This context with `other`'s caches of stage terms and sends (of the same cluster,
         model, profile and cost options, under another schedule: a stage's terms depend on
-        its micro-batches in flight and deferred gradients, given, not on the schedule)."""
+        its micro-batches in flight and deferred gradients and whether the schedule splits
+        the backward, all in their keys, not on the schedule otherwise)."""
         same = (self.model, self.seq_len, self.chips, self.profile, self.options)
         if same != (other.model, other.seq_len, other.chips, other.profile, other.options):
             raise ValueError("contexts of different clusters, models or costs share no stage terms")
@@ -244,12 +245,13 @@ class Context:
 
     def terms(self, b: int, o: Option, first: bool, last: bool, in_flight: float, deferred: int = 0) -> cm.StageTerms:
         # by the chip's own name: a virtual type (chip_split.py) shares its chip's terms
-        key = (b, self.chips[o.chip].name, o.data, o.tensor, o.recompute, first, last, in_flight, deferred)
+        split = self.sched.splits_backward
+        key = (b, self.chips[o.chip].name, o.data, o.tensor, o.recompute, first, last, in_flight, deferred, split)
         t = self._terms.get(key)
         if t is None:
             t = cm.stage_terms(
                 self.model, self.seq_len, b, self.chips[o.chip], o.data, o.tensor, o.recompute,
-                first, last, in_flight, self.profile, self.options, deferred,
+                first, last, in_flight, self.profile, self.options, deferred, split,
             )
             self._terms[key] = t
         return t

@@ -120,7 +120,8 @@ def bubble_fraction(busy_s: Sequence[float], pipeline_s: float) -> float:
     docstring); busy_s is each stage's compute seconds in the step."""
     if pipeline_s <= 0:
         return 0.0
-    return max(0.0, 1.0 - sum(busy_s) / (len(busy_s) * pipeline_s))
+    idle = 1.0 - sum(busy_s) / (len(busy_s) * pipeline_s)
+    return idle if idle > 1e-12 else 0.0  # (sums of the same terms in another order: no bubble)
 
 
 # ----------------------------------------------------------------------------- a schedule

@@ -6,13 +6,19 @@ and drain, so the backward chain through the pipeline carries only the B's.
 
 In flight: every stage holds min(p, m) micro-batches' activations (from F until W), the peak
 of 1F1B's first stage; micro-batches between B and W also hold their per-layer output
-gradients: at most min(i + 1, m) on stage i. Bubble, uniform stages with weight-gradient time
-w: (p - 1)(f + b - 2w) against 1F1B's (p - 1)(f + b) (b the whole backward). Closed form:
-sum_{i<p-1} (f_i + b_i - 2 w_i) + (f_last + b_last) + 2 * links + (m - 1) * max(max_i (f_i +
-b_i), send) + tail. That form is exact on uniform stages with m >= p but falls short of the
-order replayed on uneven stages (by up to a third with m >= p, two thirds with fewer
-micro-batches than stages): it is the search's estimate (`exact=False`), and a plan's
-predicted step replays the order.
+gradients: at most min(i + 1, m) on stage i.
+
+As this runtime runs it, W re-runs each block's whole backward (the cost model's
+`split_backward_as_run`: B = b - w, W = b, b the whole backward and w its weight-gradient
+part), so W >= B, where the paper has W = w <= B. On uniform stages with m >= p the step is
+then m (f + B + W) + (p - 1) max(f, B, f + B - W) (the simulator's replay, checked in
+tests/test_planner.py): each middle stage's share of the fill is max(f, B), B where the
+backward's input-gradient chain is at least the forward, as the cost model's terms always
+have it. Closed form: sum_{i<p-1} B_i + (f_last + B_last + W_last) + 2 * links + (m - 1) *
+max(max_i (f_i + B_i + W_i), send) + tail, in (f, b, w) = (f, B + W, W). It falls short of
+the order replayed on uneven stages and with fewer micro-batches than stages (and, with the
+paper's W <= B, by (p - 1)(f - W) on uniform stages): it is the search's estimate
+(`exact=False`), and a plan's predicted step replays the order.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ SCHEDULE = Schedule(
     summary="1F1B with the weight gradient (W) split from the backward and moved into the bubbles",
     order=order,
     in_flight=in_flight,
-    closed_form=ClosedForm(fill=(1, 1, -2), fill_last=(1, 1, 0), steady=((1, 1, 0),), exact=False),
+    closed_form=ClosedForm(fill=(0, 1, -1), fill_last=(1, 1, 0), steady=((1, 1, 0),), exact=False),
     splits_backward=True,
     deferred=deferred,
 )
