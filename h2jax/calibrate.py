@@ -217,13 +217,15 @@ def calibrated_profile(
 
     terms, costs, only = analytical()
     stages = list(zip(plan.stages, costs, measured.stages))
+    split = get_schedule(plan.schedule).splits_backward
+    programs = 3 if split else 2  # a micro-batch's F and B (and W): one dispatch each
     # 1. Effective peak per chip type: the measured compute over the analytical one.
     scale: dict[str, list[float]] = {}
     hbm: dict[str, list[float]] = {}
     for st, c, s in stages:
         chip = cm.calibrated(chips[st.chip], only)
         d = chip.dispatch_s
-        predicted, got = c.forward_s + c.backward_s - 2 * d, s.forward_s + s.backward_s - 2 * d
+        predicted, got = c.forward_s + c.backward_s - programs * d, s.forward_s + s.backward_s - programs * d
         if predicted > 0 and got > 0:
             scale.setdefault(st.chip, []).append(got / predicted)
         if s.optimizer_s is not None and s.optimizer_s > d and c.optimizer_s > d:
@@ -241,7 +243,6 @@ def calibrated_profile(
     earlier_head = fits.setdefault(last, {}).get("head_scale")
     fits[last]["head_scale"] = 1.0  # the head as modelled, while the layers are solved
     terms, costs, only = analytical()
-    split = get_schedule(plan.schedule).splits_backward
     groups: dict[tuple, list[int]] = {}
     for i, st in enumerate(plan.stages):
         tokens = int(round(plan.micro_batch / st.mesh.data * plan.seq_len))

@@ -417,7 +417,7 @@ def split_backward_as_run(backward: float, weight: float) -> tuple[float, float]
     first matmul's weights only through the later ones) and its recomputation: a whole
     backward, b, with its own dispatch (benchmarks/schedules.py measures B and W). ZB-H1
     (Qi et al.) assumes W = w alone, which needs each matmul's output gradient kept from
-    B (a per-matmul split of the blocks' backward, not built): docs/planner.md."""
+    B (a per-matmul split of the blocks' backward, not built): docs/schedules.md."""
     return 2.0 * backward - weight, backward
 
 
