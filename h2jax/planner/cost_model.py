@@ -321,7 +321,7 @@ def stage_terms(
     attn_s = attn_flops / rate + score_s
     fwd_flops = mm_flops + attn_flops
     if recompute == "full":  # the forward again but the MLP's last matmul, whose output the backward never needs
-        recompute_s = (mm_flops - tokens * 2.0 * d * model.d_ff / tensor) / rate + attn_s
+        recompute_s = (mm_flops - down_projection_flops(model, tokens, tensor)) / rate + attn_s
     elif recompute == "selective":  # what the attention core recomputes once its probabilities are not kept
         recompute_s = recompute_flops / rate + (score_s if recompute_flops else 0.0)
     else:
@@ -337,7 +337,7 @@ def stage_terms(
         if entry.recompute != recompute:  # measured without it: add the recomputed forward share
             bwd_plain += fwd_layer * recompute_flops / fwd_flops
         bwd_layer = bwd_plain
-        bwd_weight_layer = bwd_layer * entry_weight_share(model, seq_len, tokens, tensor, recompute, kernel)
+        bwd_weight_layer = bwd_layer * _weight_share(mm_flops, attn_flops, recompute_flops)
         if entry.recompute == recompute:
             measured_act = entry.activation_bytes
     else:
@@ -395,17 +395,26 @@ def layer_flops(model: ModelConfig, seq_len: int, tokens: float, tensor: int, re
     mm = tokens * 2.0 * matmul_params(model) / tensor
     attn = tokens * attention_flops_per_token(model, seq_len, kernel) / tensor
     if recompute == "full":
-        return mm, attn, mm + attn - tokens * 2.0 * model.d_model * model.d_ff / tensor
+        return mm, attn, mm + attn - down_projection_flops(model, tokens, tensor)
     if recompute == "selective":
         return mm, attn, SELECTIVE_RECOMPUTE[kernel] * attn
     return mm, attn, 0.0
 
 
+def down_projection_flops(model: ModelConfig, tokens: float, tensor: int) -> float:
+    """Forward FLOPs of one layer's MLP down projection per device."""
+    return tokens * 2.0 * model.d_model * model.d_ff / tensor
+
+
 def entry_weight_share(model: ModelConfig, seq_len: int, tokens: float, tensor: int, recompute: str,
                        kernel: str) -> float:
-    """The weight-gradient part of a profile entry's measured whole backward: its matmuls'
-    share of the backward's FLOPs, mm / (2 * forward + recomputed)."""
-    mm, attn, again = layer_flops(model, seq_len, tokens, tensor, recompute, kernel)
+    """The weight-gradient part of a profile entry's measured whole backward (`_weight_share`
+    of the layer's `layer_flops`)."""
+    return _weight_share(*layer_flops(model, seq_len, tokens, tensor, recompute, kernel))
+
+
+def _weight_share(mm: float, attn: float, again: float) -> float:
+    """The matmuls' weight gradients' share of a backward's FLOPs: mm / (2 * forward + recomputed)."""
     return mm / (2.0 * (mm + attn) + again)
 
 
