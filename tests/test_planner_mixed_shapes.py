@@ -317,6 +317,30 @@ def test_the_first_start_at_another_micro_batch_size_climbs_against_its_own_time
     assert two.micro_batch != ones[0].micro_batch and two.micro_batch in {c.micro_batch for c in ones[1:]}
 
 
+def test_on_a_large_space_every_later_start_climbs_against_the_best_so_far(monkeypatch):
+    """On a small space the first start at each micro-batch size climbs in a TopK of its own
+    (against its own time, above); beyond WIDE_SPACE (here every space: it is set to 0) every
+    start climbs in one, only through lists faster than the best plan so far."""
+    import h2jax.planner.mixed_shapes as mixed
+
+    cluster, seq, batch, schedule = OTHER_MICRO_BATCH
+    climbs, real = [], mixed.climb
+
+    def recording(ctx, start, micro_batches, shapes, top, *rest):
+        climbs.append((start.micro_batch, top))
+        return real(ctx, start, micro_batches, shapes, top, *rest)
+
+    monkeypatch.setattr(mixed, "climb", recording)
+    top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+    small, climbs[:] = list(climbs), []
+    monkeypatch.setattr(search, "WIDE_SPACE", 0)
+    monkeypatch.setattr(search, "START_GAP", math.inf)  # (every start climbs)
+    top_k(cluster, "tiny", seq, batch, schedule=schedule, mixed_shapes=True)
+    firsts = [top for n, (b, top) in enumerate(small) if b not in {b2 for b2, _ in small[:n]}]
+    assert len(firsts) > 1 and len({id(top) for top in firsts}) == len(firsts)  # one each
+    assert len({b for b, _ in climbs}) > 1 and len({id(top) for _, top in climbs}) == 1
+
+
 def test_the_exhaustive_size_counts_two_shape_lists():
     ctx = make_context(load_cluster(EMU2), "tiny", 16, 8, "1f1b", None, CostOptions(), ("none", "selective", "full"), 1)
     mbs = divisors(8)

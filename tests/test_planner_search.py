@@ -131,31 +131,36 @@ def test_the_per_block_first_test_rejects_only_lists_the_full_bound_rejects(monk
 
     real, asked = split._may_hold, []
 
-    def checked(ctx, b, chosen, bound, ends=None):
-        quick = real(ctx, b, chosen, bound, ends)
+    def checked(ctx, b, chosen, bound):
+        quick = real(ctx, b, chosen, bound)
         parts = split._list_parts(ctx, b, chosen)
         full = parts is not None and split._least(ctx, b, chosen, parts, bound) < bound
         where = ([(o.chip, o.stages, o.shape) for o in chosen], b, bound)
         assert quick or not full, where
         if parts is not None and len(asked) % 3 == 0:  # the relaxation, term by term
             L = ctx.model.n_layers
-            blocks, ends = split._blocks(ctx, b, chosen), split._list_ends(ctx, b, chosen)
+            blocks, ends = split._Blocks(chosen), split._list_ends(ctx, b, chosen)
+            caps = split._block_caps(ctx, b, chosen)
+            loose = [min(o.cap1, L - blocks.p + 1) for o in chosen]  # its first test's caps: no lower
+            assert all(x >= c for x, c in zip(loose, caps)), where
             assert (ends.floor, ends.fill_end) == (parts.floor, parts.fill_end), where  # the same end terms and sends
             tl, te = split._tail_terms(ctx, b, chosen, parts)
             groups = split._runs(parts.c, parts.e, tl, te)
             for x in sorted(set((parts.c * parts.caps + parts.e).tolist()))[::7]:
                 U = np.minimum(parts.caps, np.floor((x - parts.e) / parts.c + 1e-9))[:, None]
-                assert split._block_held(blocks, x, ends.e_first, ends.e_last) >= split._held(parts, x)[0], where
+                assert blocks.held(x, caps, ends.e_first, ends.e_last) >= split._held(parts, x)[0], where
+                assert blocks.held(x, loose) >= blocks.held(x, caps, ends.e_first, ends.e_last), where
                 if U.min() >= 1 and U.sum() >= L:  # a bottleneck whose splits hold the model
                     stages = split._fill_within(parts, U, L)[0] + split._least_tail(tl, te, parts.caps, groups, U, L)[0]
-                    per_block = split._block_rest(blocks, [blk.holds(x) for blk in blocks], L)
+                    per_block = blocks.rest(blocks.holding(x, caps), L)
                     assert per_block is not None and per_block <= stages * (1 + 1e-12), where
+                    assert blocks.rest(blocks.holding(x, loose), L) <= per_block * (1 + 1e-12), where
         if len(asked) % 10 == 0:  # a block's largest cap, taken at its fewest micro-batches in flight, is its stages' largest
             p, i, m = sum(o.stages for o in chosen), 0, ctx.global_batch // b
             for o, most in zip(chosen, ctx.block_cap_maxima(chosen, m)):
                 assert most == max(int(o.max_layers(ctx.holds(j, p, m)[0])) for j in range(i, i + o.stages)), where
                 i += o.stages
-        asked.append(quick)
+        asked.append(quick is not None)
         return quick
 
     monkeypatch.setattr(split, "_may_hold", checked)

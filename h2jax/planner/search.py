@@ -420,7 +420,8 @@ def _zb_h1_confirmed(found: list[Candidate], cluster, model, seq_len, global_bat
 # best: on the 84 random clusters of `benchmarks/planner.py --random-shipped` (seeds 42 and
 # 8, two shapes, exploratory, 2026-12-07), 45 with a space that large, a later start improved
 # the best plan in 6, each within 0.62 % of the best; none of the 20 starts 1.6 % to 16 %
-# slower did, and they cost 4.8 s of 98 s (up to 0.98 s on one cluster). On a smaller space
+# slower did, and they cost 4.8 s of 98 s (up to 0.98 s on one cluster); each climbs only
+# through lists faster than the best plan so far (mixed_shapes.refine). On a smaller space
 # every start climbs (there one 1.5 % slower improved the best, by 0.44 %).
 REFINE_STARTS = 3
 START_GAP = 0.01

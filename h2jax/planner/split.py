@@ -339,6 +339,10 @@ class _Ends(NamedTuple):
     fill_end: float  # the fill's terms that no layer count changes: end stages, sends, latencies
 
 
+# no end terms, no sends: what `_may_hold` weighs first (its terms are not read there)
+_NO_ENDS = _Ends(None, None, 0.0, 0.0, 0.0, 0.0)  # type: ignore[arg-type]
+
+
 def _list_ends(ctx: Context, b: int, chosen: Sequence[Option]) -> _Ends:
     """A stage list's `_Ends`."""
     p = sum(o.stages for o in chosen)
@@ -514,103 +518,122 @@ def list_may_beat(ctx: Context, b: int, chosen: Sequence[Option], bound: float) 
     none when the stages cannot hold the layers at the largest bottleneck the cheapest fill
     and tail leave under `bound` (the local search asks this of ~10^4 lists a round, nearly
     all of which fail there; `_may_hold` asks it first, per block)."""
-    ends = _list_ends(ctx, b, chosen)
-    if not _may_hold(ctx, b, chosen, bound, ends):
+    ends = _may_hold(ctx, b, chosen, bound)
+    if ends is None:
         return False
     parts = _list_parts(ctx, b, chosen, ends)
     return parts is not None and _least(ctx, b, chosen, parts, bound) < bound
 
 
-def _may_hold(ctx: Context, b: int, chosen: Sequence[Option], bound: float, ends: _Ends | None = None) -> bool:
+def _may_hold(ctx: Context, b: int, chosen: Sequence[Option], bound: float) -> _Ends | None:
     """Whether `_least` may be below `bound`, on a relaxation of `_list_parts` per block
-    instead of per stage (a few Python numbers, not the list's arrays; `_Block`), with the
-    list's own end terms and sends (`ends`: its `_list_ends`, made here when not given).
+    instead of per stage (a few Python numbers, not the list's arrays; `_Blocks`): the list's
+    `_list_ends` where it may (made only then), None where it cannot.
 
     Every stage of a block takes the block's largest cap, so the blocks' fill and tail
-    (`_block_rest`) are no larger than the stages' at any bottleneck, the largest bottleneck
+    (`_Blocks.rest`) are no larger than the stages' at any bottleneck, the largest bottleneck
     they leave under `bound` no smaller, and the layers the stages hold there no fewer: where
     even these are short of L, or the largest send reaches that bottleneck, no bottleneck
     beats `bound`. Then again with each block's cap cut to the layers it holds at that
     bottleneck (at every bottleneck below it the stages hold no more): a dearer fill and tail,
-    a smaller bottleneck (on 2,432 chips, of the local search's lists that `sums_bound` leaves,
-    ~2 % pass both, ~40 % the first)."""
+    a smaller bottleneck. First on a looser relaxation, each block's cap its shape's `cap1`
+    (the most layers a stage holds with one micro-batch in flight: no position holds fewer)
+    and without the list's end terms and sends (`_NO_ENDS`: none makes a split cheaper), which
+    needs nothing of the list's positions or ends: a list it rejects, the tighter test rejects
+    too (`Beside.cannot_beat` is this first test, for many lists at once). On 2,432 chips ~84 %
+    of the local search's lists that `sums_bound` leaves end there; then with each block's
+    largest cap at its positions and the list's ends (~6 % pass both)."""
     L, m = ctx.model.n_layers, ctx.global_batch // b
     weight = ctx.sched.closed_form.steady_weight(m, ctx.v)
     if weight <= 0:
-        return True
-    ends = ends or _list_ends(ctx, b, chosen)
-    blocks = _blocks(ctx, b, chosen)
-    caps = [x.cap for x in blocks]
-    for _ in range(2):
-        rest = _block_rest(blocks, caps, L)
-        if rest is None:
-            return False
-        # (rest rounded down: summed in another order)
-        most = (bound / _ROUND - (rest + ends.fill_end) * _ROUND) / weight
-        if not math.isfinite(most):
-            return True
-        if ends.floor >= most or _block_held(blocks, most, ends.e_first, ends.e_last) < L:
-            return False
-        caps = [x.holds(most) for x in blocks]
-    return True
-
-
-class _Block(NamedTuple):
-    """One block of a stage list as `_may_hold` weighs it: every stage on its largest cap."""
-
-    stages: int
-    cap: int  # the largest of its stages' layer caps (at most L - p + 1)
-    layer_s: float
-    fill: float
-    tail1: float
-
-    def holds(self, bottleneck: float) -> int:
-        """The layers a stage of it holds with its time within `bottleneck`."""
-        return max(0, min(self.cap, math.floor(bottleneck / self.layer_s + 1e-9)))
-
-
-def _blocks(ctx: Context, b: int, chosen: Sequence[Option]) -> list[_Block]:
-    L, m = ctx.model.n_layers, ctx.global_batch // b
-    p = sum(o.stages for o in chosen)
-    return [_Block(o.stages, min(c, L - p + 1), o.layer_s, o.fill, o.tail1)
-            for o, c in zip(chosen, ctx.block_cap_maxima(chosen, m))]
-
-
-def _block_rest(blocks: Sequence[_Block], caps: Sequence[int], L: int) -> float | None:
-    """A lower bound on the fill's per-layer part and the tail of every split with each stage
-    of block j within caps[j] layers (None: no such split holds L layers): the cheapest fill
-    (a layer a stage, the L - p beyond on the cheapest blocks first), and the least X at which
-    the stages hold L layers with each tail1 * l <= X (l continuous, the tail's end terms 0)."""
-    if min(caps) < 1 or sum(x.stages * c for x, c in zip(blocks, caps)) < L:
+        return _list_ends(ctx, b, chosen)
+    blocks = _Blocks(chosen)
+    most_per_stage = L - blocks.p + 1
+    if not blocks.may_hold([min(o.cap1, most_per_stage) for o in chosen], L, weight, bound, _NO_ENDS):
         return None
-    rest = sum(x.stages * x.fill for x in blocks)
-    extra = L - sum(x.stages for x in blocks)
-    for x, c in sorted(zip(blocks, caps), key=lambda xc: xc[0].fill):
-        if extra <= 0:
-            break
-        take = min(extra, x.stages * (c - 1))
-        rest, extra = rest + take * x.fill, extra - take
-    # the tail: blocks in the order they reach their cap as X grows, the rest at X / tail1
-    capped, per_x = 0.0, sum(x.stages / x.tail1 for x in blocks if x.tail1 > 0)
-    tail = 0.0
-    for x, c in sorted(zip(blocks, caps), key=lambda xc: xc[0].tail1 * xc[1]):
-        tail = x.tail1 * c
-        if per_x > 0 and (L - capped) / per_x <= tail:
-            tail = (L - capped) / per_x
-            break
-        capped += x.stages * c
-        per_x -= x.stages / x.tail1 if x.tail1 > 0 else 0.0
-    return rest + max(tail, max(x.tail1 for x in blocks))
+    ends = _list_ends(ctx, b, chosen)
+    return ends if blocks.may_hold(_block_caps(ctx, b, chosen), L, weight, bound, ends) else None
 
 
-def _block_held(blocks: Sequence[_Block], bottleneck: float, e_first: float = 0.0, e_last: float = 0.0) -> int:
-    """The most layers the blocks hold with every stage within `bottleneck`, the first
-    stage's time e_first more and the last's e_last more (`_Ends`)."""
-    held = sum(x.stages * x.holds(bottleneck) for x in blocks)
-    for e, x in ((e_first, blocks[0]), (e_last, blocks[-1])):
-        if e:
-            held += x.holds(bottleneck - e) - x.holds(bottleneck)
-    return held
+def _block_caps(ctx: Context, b: int, chosen: Sequence[Option]) -> list[int]:
+    """Per block of a stage list, the largest of its stages' layer caps (at most L - p + 1)."""
+    L, m = ctx.model.n_layers, ctx.global_batch // b
+    most = L - sum(o.stages for o in chosen) + 1
+    return [min(c, most) for c in ctx.block_cap_maxima(chosen, m)]
+
+
+class _Blocks:
+    """A stage list's blocks as `_may_hold` weighs them, every stage of a block on one cap
+    (given per block to each test): each block's stages, per-layer time, fill and tail1, and
+    what no cap changes (their sums; the blocks by fill)."""
+
+    def __init__(self, chosen: Sequence[Option]) -> None:
+        self.stages = [o.stages for o in chosen]
+        self.layer_s = [o.layer_s for o in chosen]
+        self.fill = [o.fill for o in chosen]
+        self.tail1 = [o.tail1 for o in chosen]
+        self.p = sum(self.stages)
+        self.fill0 = sum(k * f for k, f in zip(self.stages, self.fill))  # a layer a stage
+        self.by_fill = sorted(range(len(chosen)), key=self.fill.__getitem__)
+        self.inv_tail = sum(k / t for k, t in zip(self.stages, self.tail1) if t > 0)
+        self.tail_max = max(self.tail1)
+
+    def may_hold(self, caps: list[int], L: int, weight: float, bound: float, ends: _Ends) -> bool:
+        """`_may_hold`'s two tests with each block's stages within caps[j] layers and the
+        list's end terms and sends `ends`."""
+        for _ in range(2):
+            rest = self.rest(caps, L)
+            if rest is None:
+                return False
+            # (rest rounded down: summed in another order)
+            most = (bound / _ROUND - (rest + ends.fill_end) * _ROUND) / weight
+            if not math.isfinite(most):
+                return True
+            if ends.floor >= most or self.held(most, caps, ends.e_first, ends.e_last) < L:
+                return False
+            caps = self.holding(most, caps)
+        return True
+
+    def holding(self, bottleneck: float, caps: Sequence[int]) -> list[int]:
+        """Per block, the layers a stage of it holds with its time within `bottleneck`."""
+        return [max(0, min(c, math.floor(bottleneck / a + 1e-9))) for c, a in zip(caps, self.layer_s)]
+
+    def rest(self, caps: Sequence[int], L: int) -> float | None:
+        """A lower bound on the fill's per-layer part and the tail of every split with each
+        stage of block j within caps[j] layers (None: no such split holds L layers): the
+        cheapest fill (a layer a stage, the L - p beyond on the cheapest blocks first), and the
+        least X at which the stages hold L layers with each tail1 * l <= X (l continuous, the
+        tail's end terms 0)."""
+        stages = self.stages
+        if min(caps) < 1 or sum(k * c for k, c in zip(stages, caps)) < L:
+            return None
+        rest, extra = self.fill0, L - self.p
+        for j in self.by_fill:
+            if extra <= 0:
+                break
+            take = min(extra, stages[j] * (caps[j] - 1))
+            rest, extra = rest + take * self.fill[j], extra - take
+        # the tail: blocks in the order they reach their cap as X grows, the rest at X / tail1
+        tail1 = self.tail1
+        capped, per_x, tail = 0.0, self.inv_tail, 0.0
+        for j in sorted(range(len(stages)), key=lambda j: tail1[j] * caps[j]):
+            tail = tail1[j] * caps[j]
+            if per_x > 0 and (L - capped) / per_x <= tail:
+                tail = (L - capped) / per_x
+                break
+            capped += stages[j] * caps[j]
+            per_x -= stages[j] / tail1[j] if tail1[j] > 0 else 0.0
+        return rest + max(tail, self.tail_max)
+
+    def held(self, bottleneck: float, caps: Sequence[int], e_first: float = 0.0, e_last: float = 0.0) -> int:
+        """The most layers the blocks hold with every stage within `bottleneck`, the first
+        stage's time e_first more and the last's e_last more (`_Ends`)."""
+        each = self.holding(bottleneck, caps)
+        held = sum(k * h for k, h in zip(self.stages, each))
+        for e, j in ((e_first, 0), (e_last, len(caps) - 1)):
+            if e:  # (that stage alone)
+                held += max(0, min(caps[j], math.floor((bottleneck - e) / self.layer_s[j] + 1e-9))) - each[j]
+        return held
 
 
 class TopK:
@@ -738,7 +761,7 @@ class Beside:
         k, p = ks[live].astype(float), sums.stages[live]
         most_per_stage = L - p + 1.0
         caps, cap_new = np.minimum(self.cap1, most_per_stage), np.minimum(alive(new.cap1), most_per_stage)
-        # `_may_hold`'s first rest (`_block_rest`) with the tail at its floor: a layer a stage
+        # `_may_hold`'s first rest (`_Blocks.rest`) with the tail at its floor: a layer a stage
         # in the fill, the L - p layers beyond those on the cheapest blocks first, within the caps
         room = np.vstack([self.stages * (caps - 1.0), k * (cap_new - 1.0)]).clip(min=0.0)
         fill = np.vstack([np.broadcast_to(self.fill[:, None], (len(self.fill), len(k))),
