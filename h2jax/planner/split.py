@@ -778,8 +778,9 @@ class Beside:
             most = (bound / _ROUND - rest * _ROUND) / weight
             held = ((self.stages * np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)).sum(axis=0)
                     + k * np.minimum(cap_new, np.floor(most / layer_new + 1e-9)).clip(min=0.0))
-            short = (np.minimum(caps.min(axis=0, initial=np.inf), cap_new) < 1) | ((self.stages * caps).sum(axis=0) + k * cap_new < L)
-            rejected |= short | (np.isfinite(most) & (held < L))
+            no_split = (np.minimum(caps.min(axis=0, initial=np.inf), cap_new) < 1) | (  # (`_Blocks.rest`'s None)
+                (self.stages * caps).sum(axis=0) + k * cap_new < L)
+            rejected |= no_split | (np.isfinite(most) & (held < L))
             # each block's cap cut to the layers it holds at that bottleneck
             caps = np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)
             cap_new = np.minimum(cap_new, np.floor(most / layer_new + 1e-9)).clip(min=0.0)
