@@ -61,7 +61,8 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
           hopeless: Callable[[Beside, NewShapes, np.ndarray], np.ndarray] | None = None,
           anywhere: bool = False) -> Iterator[tuple[Option, ...]]:
     """Stage lists one move from `options` (`in_space` may still reject some): a block one
-    stage longer or shorter, or dropped; a block's stages but `keep` of them (0 to all, on
+    stage longer or shorter, or dropped; one of a type's two blocks shorter and the other
+    longer by the chips that frees (`_reshared`); a block's stages but `keep` of them (0 to all, on
     their mesh with their recompute policy or another) given to k stages of another shape of
     its chip, or of a neighbouring block's chip, placed next to the kept ones or to that
     neighbour (with `anywhere`, at any place in the pipeline: e.g. a type's new block at the
@@ -90,6 +91,8 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
             yield head + (dataclasses.replace(o, stages=o.stages - 1),) + tail
         if per_stage <= counts[o.chip] - used[o.chip]:
             yield head + (dataclasses.replace(o, stages=o.stages + 1),) + tail
+        if blocks[o.chip] == MAX_BLOCKS_PER_TYPE:
+            yield from _reshared(options, i, counts[o.chip] - used[o.chip], n_layers)
         if len(options) > 1:
             yield rest
             # the block elsewhere in the pipeline (a type may run at both ends)
@@ -143,6 +146,26 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
                         other = next(n for n, b in enumerate(rest) if b.chip == chip)
                         yield from _grown(head, tail, other, room, n_layers, shapes[chip], which, ks,
                                           columns[chip], hopeless)
+
+
+def _reshared(options: tuple[Option, ...], i: int, free: int, n_layers: int) -> Iterator[tuple[Option, ...]]:
+    """The lists with `give` of block i's stages (1 to all) taken off and its type's other
+    block grown by the stages their chips and the type's `free` chips make (at most `n_layers`
+    stages in all): one block of a type shorter and the other longer at once, which no pair
+    of moves reaches one at a time where the chips are all in use (a random small cluster of
+    `benchmarks/planner.py --random-two-shapes`' kind: its H100s' 4 stages of (4, 1) and 2 of
+    (4, 2), apart, 0.054 % slower than 2 and 3)."""
+    o = options[i]
+    j = next(n for n, x in enumerate(options) if x.chip == o.chip and n != i)
+    other, p, grown = options[j], sum(x.stages for x in options), 0
+    for give in range(1, o.stages + 1):
+        grow = min((free + give * o.data * o.tensor) // (other.data * other.tensor), n_layers - p + give)
+        if grow <= grown:
+            continue  # (the fewest stages given for each number grown: more only leave chips idle)
+        grown = grow
+        out = list(options)
+        out[i], out[j] = dataclasses.replace(o, stages=o.stages - give), dataclasses.replace(other, stages=other.stages + grow)
+        yield tuple(x for x in out if x.stages)
 
 
 def _grown(head: tuple[Option, ...], tail: tuple[Option, ...], other: int, room: int, n_layers: int,
