@@ -149,9 +149,10 @@ def moves(options: tuple[Option, ...], shapes: Mapping[str, Sequence[Option]],
 
 
 def _reshared(options: tuple[Option, ...], i: int, free: int, n_layers: int) -> Iterator[tuple[Option, ...]]:
-    """The lists with `give` of block i's stages (1 to all) taken off and its type's other
-    block grown by the stages their chips and the type's `free` chips make (at most `n_layers`
-    stages in all): one block of a type shorter and the other longer at once, which no pair
+    """The lists with `give` of block i's stages (1 to all; for each number the other block
+    grows by, the fewest) taken off and its type's other block grown by the stages their chips
+    and the type's `free` chips make (at most `n_layers` stages in all): one block of a type
+    shorter and the other longer at once, which no pair
     of moves reaches one at a time where the chips are all in use (a random small cluster of
     `benchmarks/planner.py --random-two-shapes`' kind: its H100s' 4 stages of (4, 1) and 2 of
     (4, 2), apart, 0.054 % slower than 2 and 3)."""
@@ -164,7 +165,8 @@ def _reshared(options: tuple[Option, ...], i: int, free: int, n_layers: int) -> 
             continue  # (the fewest stages given for each number grown: more only leave chips idle)
         grown = grow
         out = list(options)
-        out[i], out[j] = dataclasses.replace(o, stages=o.stages - give), dataclasses.replace(other, stages=other.stages + grow)
+        out[i] = dataclasses.replace(o, stages=o.stages - give)
+        out[j] = dataclasses.replace(other, stages=other.stages + grow)
         yield tuple(x for x in out if x.stages)
 
 
