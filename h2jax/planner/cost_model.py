@@ -287,27 +287,26 @@ class CostOptions:
         return cls(shard_optimizer=optimizer.shard_over_data, optimizer=optimizer.name)
 
 
-def stage_terms(
-    model: ModelConfig,
-    seq_len: int,
-    micro_batch: int,
-    chip: ChipType,
-    data: int,
-    tensor: int,
-    recompute: str,
-    first: bool,
-    last: bool,
-    in_flight: float,
-    profile: Profile | None = None,
-    options: CostOptions = CostOptions(),
-    deferred: int = 0,
-    splits_backward: bool = False,
-) -> StageTerms:
-    """A stage shape's StageTerms; `splits_backward`: its schedule runs the backward as B and
-    W (`split_backward_as_run`: what each of them runs)."""
-    chip = calibrated(chip, profile)
-    d, V = model.d_model, model.vocab_size
-    tokens = micro_batch / data * seq_len
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerWork:
+    """One layer's work on a stage shape, one micro-batch, wherever the stage sits in the
+    pipeline: its forward, backward and weight-gradient seconds, and what the stage's end
+    terms take from the same chip and shape. It depends on the tokens a device sees, not on
+    how the micro-batch and data size make them (`stage_terms`' callers may share it)."""
+
+    tokens: float  # per device and micro-batch
+    rate: float  # matmul FLOP/s at this shape's efficiency
+    tp_ar: float  # seconds of one tensor-parallel all-reduce of the hidden state
+    fwd_layer: float
+    bwd_layer: float  # the whole backward (before a split schedule's B and W)
+    bwd_weight_layer: float
+    measured_act: int | None  # a profile entry's activation bytes, where it measured this recompute mode
+
+
+def layer_work(model: ModelConfig, seq_len: int, tokens: float, chip: ChipType, tensor: int, recompute: str,
+               profile: Profile | None = None) -> LayerWork:
+    """A layer's `LayerWork` on a (calibrated) chip at `tokens` per device."""
+    d = model.d_model
     act_bytes = dtype_bytes(chip.precision.compute_dtype)
     rate = chip.peak_tflops * 1e12 * efficiency(tokens, d / tensor, chip.efficiency)
     tp_ar = allreduce_s(tokens * d * act_bytes, tensor, collective_gbps(chip, tensor))
@@ -348,6 +347,39 @@ def stage_terms(
             + bwd_ar * tp_ar
         )
         bwd_weight_layer = mm_flops / rate
+    return LayerWork(tokens, rate, tp_ar, fwd_layer, bwd_layer, bwd_weight_layer, measured_act)
+
+
+def stage_terms(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    chip: ChipType,
+    data: int,
+    tensor: int,
+    recompute: str,
+    first: bool,
+    last: bool,
+    in_flight: float,
+    profile: Profile | None = None,
+    options: CostOptions = CostOptions(),
+    deferred: int = 0,
+    splits_backward: bool = False,
+    layer: LayerWork | None = None,
+    layer_memory: mm.LayerMemory | None = None,
+) -> StageTerms:
+    """A stage shape's StageTerms; `splits_backward`: its schedule runs the backward as B and
+    W (`split_backward_as_run`: what each of them runs). `layer` and `layer_memory`: this
+    shape's `layer_work` and `memory_model.layer_memory`, where the caller has them (the same
+    for every place of the stage; `layer_work` also for every micro-batch and data size that
+    give a device as many tokens)."""
+    chip = calibrated(chip, profile)
+    d, V = model.d_model, model.vocab_size
+    if layer is None:
+        layer = layer_work(model, seq_len, micro_batch / data * seq_len, chip, tensor, recompute, profile)
+    tokens, rate, tp_ar = layer.tokens, layer.rate, layer.tp_ar
+    fwd_layer, bwd_layer, bwd_weight_layer = layer.fwd_layer, layer.bwd_layer, layer.bwd_weight_layer
+    hbm, dispatch = chip.hbm_bytes_per_s, chip.dispatch_s
 
     # A fixed host cost per compute: each micro-batch's forward and backward on every stage.
     fwd_end, bwd_end, bwd_weight_end = dispatch, dispatch, 0.0
@@ -378,7 +410,7 @@ def stage_terms(
 
     mem = mm.stage_memory_terms(
         model, seq_len, micro_batch, chip, data, tensor, recompute, first, last, in_flight,
-        options.shard_optimizer, options.optimizer, measured_act, deferred,
+        options.shard_optimizer, options.optimizer, layer.measured_act, deferred, layer_memory,
     )
     return StageTerms(
         fwd_layer, fwd_end, bwd_layer, bwd_end, bwd_weight_layer, bwd_weight_end,

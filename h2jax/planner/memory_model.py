@@ -199,6 +199,55 @@ class StageMemoryTerms:
         }
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerMemory:
+    """Per device, one layer of a stage shape: what it holds and works in wherever the stage
+    sits in the pipeline (`stage_memory_terms` adds the ends')."""
+
+    per_param: float  # bytes per parameter: its copy, its gradient and its share of the optimizer state
+    layer_static: float
+    layer_activation: float
+    working: float  # the backward's and the attention kernel's working bytes (no head)
+    layer_deferred: float
+
+
+def layer_memory(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    chip: ChipType,
+    data: int,
+    tensor: int,
+    recompute: str,
+    shard_optimizer: bool = True,
+    optimizer: str = "adamw",
+    measured_activation: int | None = None,
+) -> LayerMemory:
+    """A stage shape's `LayerMemory`."""
+    tokens = micro_batch / data * seq_len
+    a = _DTYPE_BYTES[chip.precision.compute_dtype]
+    per_param = (
+        _DTYPE_BYTES[chip.precision.param_dtype]
+        + GRAD_BYTES
+        + OPTIMIZER_STATE_BYTES[optimizer] / (data if shard_optimizer else 1)
+    )
+    kernel = chip.attention_kernel
+    if measured_activation is not None:
+        layer_act = float(measured_activation)
+    else:
+        layer_act = layer_activation_bytes(model, seq_len, tokens, tensor, recompute, a, kernel)
+    # XLA:CPU has no 16-bit arithmetic: it computes bf16/f16 math in f32, so a backward's
+    # temporaries there take 4 bytes a value whatever the compute dtype (measured).
+    w = 4 if chip.platform == "cpu" else a
+    layer_none = layer_activation_bytes(model, seq_len, tokens, tensor, "none", w, kernel)
+    working = attention_working_bytes(model, seq_len, tokens, tensor, kernel) + layer_backward_bytes(
+        model, tensor, w, layer_none)
+    if recompute != "none":  # the recomputed layer's activations, beside their gradients
+        working += layer_none
+    return LayerMemory(per_param, model.layer_param_count() / tensor * per_param, layer_act, working,
+                       tokens * model.d_model * a)
+
+
 def stage_memory_terms(
     model: ModelConfig,
     seq_len: int,
@@ -214,42 +263,30 @@ def stage_memory_terms(
     optimizer: str = "adamw",
     measured_activation: int | None = None,
     deferred: int = 0,
+    layer: LayerMemory | None = None,
 ) -> StageMemoryTerms:
+    """A stage's StageMemoryTerms; `layer`: its shape's `layer_memory`, where the caller has it
+    (the same for every place of the stage)."""
+    if layer is None:
+        layer = layer_memory(model, seq_len, micro_batch, chip, data, tensor, recompute, shard_optimizer, optimizer,
+                             measured_activation)
     tokens = micro_batch / data * seq_len
     a = _DTYPE_BYTES[chip.precision.compute_dtype]
-    per_param = (
-        _DTYPE_BYTES[chip.precision.param_dtype]
-        + GRAD_BYTES
-        + OPTIMIZER_STATE_BYTES[optimizer] / (data if shard_optimizer else 1)
-    )
-    layer_static = model.layer_param_count() / tensor * per_param
-    params_end = end_params(model, first, last) / tensor * per_param
-    kernel = chip.attention_kernel
-    if measured_activation is not None:
-        layer_act = float(measured_activation)
-    else:
-        layer_act = layer_activation_bytes(model, seq_len, tokens, tensor, recompute, a, kernel)
-    # XLA:CPU has no 16-bit arithmetic: it computes bf16/f16 math in f32, so a backward's
-    # temporaries there take 4 bytes a value whatever the compute dtype (measured).
-    w = 4 if chip.platform == "cpu" else a
-    layer_none = layer_activation_bytes(model, seq_len, tokens, tensor, "none", w, kernel)
-    working = attention_working_bytes(model, seq_len, tokens, tensor, kernel) + layer_backward_bytes(
-        model, tensor, w, layer_none)
-    if recompute != "none":  # the recomputed layer's activations, beside their gradients
-        working += layer_none
+    params_end = end_params(model, first, last) / tensor * layer.per_param
+    working = layer.working
     logits = tokens * model.vocab_size / tensor * 4 * 2  # f32 logits and their gradient / log-probabilities
     if last:
         working += logits
     capacity = chip.usable_memory_gib * GIB
     return StageMemoryTerms(
-        layer_static=layer_static,
-        layer_activation=layer_act,
+        layer_static=layer.layer_static,
+        layer_activation=layer.layer_activation,
         in_flight=in_flight,
         params_end=params_end,
         working=working,
         reserve=RESERVE_FRACTION * capacity,
         capacity=capacity,
         deferred=deferred,
-        layer_deferred=tokens * model.d_model * a,
+        layer_deferred=layer.layer_deferred,
         end_activation=(logits + tokens * model.d_model * a) if last else 0.0,
     )

@@ -15,6 +15,7 @@ from h2jax.cluster import ChipType, Cluster
 from h2jax.config import ConfigError, ModelConfig, get_config, preset_name
 from h2jax.plan import RECOMPUTE_POLICIES, Mesh, Optimizer, Plan, Stage
 from h2jax.planner import cost_model as cm
+from h2jax.planner import memory_model as mm
 from h2jax.planner.memory_model import StageMemoryTerms
 from h2jax.planner.profile import Profile
 from h2jax.schedules import AUTO, Schedule, get_schedule
@@ -225,7 +226,16 @@ class Context:
 
     def holds(self, i: int, p: int, m: int) -> tuple[float, int]:
         """(in flight, deferred) of position i of p under the schedule (the memory model's)."""
-        return cm.memory_holds(self.schedule, i, p, m, self.v)
+        return self.holds_row(p, m)[i]
+
+    def holds_row(self, p: int, m: int) -> list[tuple[float, int]]:
+        """`holds` of every position 0..p-1 of p (cached per p and m: a stage list's leaf
+        asks it of each of its stages)."""
+        key = ("holds row", p, m)
+        row = self._caps.get(key)
+        if row is None:
+            row = self._caps[key] = [cm.memory_holds(self.schedule, j, p, m, self.v) for j in range(p)]
+        return row
 
     def in_flight_row(self, p: int, m: int) -> np.ndarray:
         """`holds`' in-flight micro-batches at every position 0..p-1 of p (cached per p and m:
@@ -233,7 +243,7 @@ class Context:
         key = ("in flight", p, m)
         row = self._caps.get(key)
         if row is None:
-            row = self._caps[key] = np.array([self.holds(j, p, m)[0] for j in range(p)], dtype=float)
+            row = self._caps[key] = np.array([held for held, _ in self.holds_row(p, m)], dtype=float)
         return row
 
     def fill_terms(self, t: cm.StageTerms, last: bool) -> tuple[float, float]:
@@ -251,10 +261,31 @@ class Context:
         if t is None:
             t = cm.stage_terms(
                 self.model, self.seq_len, b, self.chips[o.chip], o.data, o.tensor, o.recompute,
-                first, last, in_flight, self.profile, self.options, deferred, split,
+                first, last, in_flight, self.profile, self.options, deferred, split, *self._layer(b, o),
             )
             self._terms[key] = t
         return t
+
+    def _layer(self, b: int, o: Option) -> tuple[cm.LayerWork, mm.LayerMemory]:
+        """The shape's `cm.layer_work` and `memory_model.layer_memory` at micro-batch b, made
+        once: the first per chip, tokens a device sees, tensor size and recompute mode (every
+        data size that gives as many tokens shares it), the second per shape; both for every
+        role and place of a stage."""
+        name = self.chips[o.chip].name
+        key = ("layer", name, b, o.data, o.tensor, o.recompute)
+        found = self._terms.get(key)
+        if found is None:
+            chip = cm.calibrated(self.chips[o.chip], self.profile)  # (as stage_terms takes it)
+            work_key = ("work", name, b / o.data, o.tensor, o.recompute)
+            work = self._terms.get(work_key)
+            if work is None:
+                work = self._terms[work_key] = cm.layer_work(
+                    self.model, self.seq_len, b / o.data * self.seq_len, chip, o.tensor, o.recompute, self.profile)
+            memory = mm.layer_memory(
+                self.model, self.seq_len, b, chip, o.data, o.tensor, o.recompute, self.options.shard_optimizer,
+                self.options.optimizer, work.measured_act)
+            found = self._terms[key] = (work, memory)
+        return found
 
     def layer_cap(self, t: cm.StageTerms) -> int:
         """The most layers a stage of these (cached) terms holds: the fit test's, cached."""
