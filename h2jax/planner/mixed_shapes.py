@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from h2jax.planner.positions import run_lengths
 from h2jax.planner.space import Candidate, Context, Option, SearchStats
 from h2jax.planner.split import Beside, NewShapes, TopK, solve
 
@@ -262,7 +263,14 @@ class Shapes:
     those a new block may take (`for_moves`: `undominated`); each made when first asked for."""
 
     def __init__(self, ctx: Context) -> None:
-        self.ctx, self._every, self._moves = ctx, {}, {}
+        self.ctx, self._every, self._moves, self._runs = ctx, {}, {}, {}
+
+    def runs(self, b: int) -> np.ndarray:
+        """(L+2,) bool: whether the schedule runs a pipeline of p stages at micro-batch b
+        (index L+1: any longer one, never)."""
+        if b not in self._runs:
+            self._runs[b] = np.append(run_lengths(self.ctx, self.ctx.global_batch // b), False)
+        return self._runs[b]
 
     def every(self, b: int) -> dict[str, list[Option]]:
         if b not in self._every:
@@ -297,19 +305,28 @@ def _neighbours(ctx: Context, b: int, options: tuple[Option, ...], micro_batches
     of `micro_batches`, then `moves` at b (new blocks `top` cannot take left out)."""
     L = ctx.model.n_layers
     weight = ctx.sched.closed_form.steady_weight(ctx.global_batch // b, ctx.v)
+    runs = shapes.runs(b)
+
+    def hopeless(beside: Beside, new: NewShapes, ks: np.ndarray) -> np.ndarray:
+        out = ~runs[np.minimum(beside.sums.stages + ks, L + 1)]  # (a length the schedule does not run)
+        if not out.all():
+            out[~out] = beside.cannot_beat(weight, L, new.take(~out), ks[~out], top.bound)
+        return out
+
     yield from ((b2, x) for b2 in micro_batches if b2 != b for x in [at_micro_batch(options, shapes.every(b2))] if x)
-    yield from ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L,
-                                      lambda beside, s, ks: beside.cannot_beat(weight, L, s, ks, top.bound),
-                                      anywhere))
+    yield from ((b, x) for x in moves(options, shapes.for_moves(b), ctx.counts, L, hopeless, anywhere))
 
 
 def _solve_round(ctx: Context, b: int, options: tuple[Option, ...], micro_batches: Sequence[int], shapes: Shapes,
                  top: TopK, seen: dict, stats: SearchStats, deadline: float, anywhere: bool) -> bool:
     """Solve every list one move from `options` (`_neighbours`) into `top`, but those `seen`
     shows cannot beat it; False once `deadline` has passed."""
+    L = ctx.model.n_layers
     for n, (b2, x) in enumerate(_neighbours(ctx, b, options, micro_batches, shapes, top, anywhere)):
         if n % 256 == 0 and time.perf_counter() > deadline:
             return False
+        if not shapes.runs(b2)[min(sum(o.stages for o in x), L + 1)]:
+            continue  # (the schedule does not run that many stages there: interleaved 1F1B's p divides m)
         x = merged(x)
         if not x or seen.get((b2, x), -math.inf) >= top.bound or (stats.proved_optimal and one_shape(x)) \
                 or not in_space(x, ctx.counts):

@@ -33,7 +33,7 @@ def _leaf(ctx: Context, b: int, options: Sequence[Option], sends: tuple[float, f
     None if a stage cannot hold a layer."""
     shapes = [o for o in options for _ in range(o.stages)]
     p, m = len(shapes), ctx.global_batch // b
-    terms = [ctx.terms(b, o, i == 0, i == p - 1, *ctx.holds(i, p, m)) for i, o in enumerate(shapes)]
+    terms = [ctx.terms(b, o, i == 0, i == p - 1, *held) for i, (o, held) in enumerate(zip(shapes, ctx.holds_row(p, m)))]
     L = ctx.model.n_layers
     caps = np.minimum(np.array([ctx.layer_cap(t) for t in terms], dtype=np.int64), L - p + 1)
     if caps.min() < 1 or caps.sum() < L:
@@ -581,7 +581,7 @@ class _Blocks:
     def may_hold(self, caps: list[int], L: int, weight: float, bound: float, ends: _Ends) -> bool:
         """`_may_hold`'s two tests with each block's stages within caps[j] layers and the
         list's end terms and sends `ends`."""
-        for _ in range(2):
+        for second in (False, True):
             rest = self.rest(caps, L)
             if rest is None:
                 return False
@@ -591,7 +591,8 @@ class _Blocks:
                 return True
             if ends.floor >= most or self.held(most, caps, ends.e_first, ends.e_last) < L:
                 return False
-            caps = self.holding(most, caps)
+            if not second:
+                caps = self.holding(most, caps)
         return True
 
     def holding(self, bottleneck: float, caps: Sequence[int]) -> list[int]:
@@ -770,7 +771,7 @@ class Beside:
                           np.broadcast_to(alive(new.fill), k.shape)])
         tail = tail_bound(L, alive(sums.inv_tail), alive(sums.tail_max))
         rejected = np.zeros(len(k), dtype=bool)
-        for _ in range(2):
+        for second in (False, True):
             # `_Blocks.rest` with the tail at its floor: a layer a stage in the fill, the L - p
             # layers beyond those on the cheapest blocks first, within the caps
             room = np.vstack([self.stages * (caps - 1.0), k * (cap_new - 1.0)]).clip(min=0.0)
@@ -781,9 +782,9 @@ class Beside:
             no_split = (np.minimum(caps.min(axis=0, initial=np.inf), cap_new) < 1) | (  # (`_Blocks.rest`'s None)
                 (self.stages * caps).sum(axis=0) + k * cap_new < L)
             rejected |= no_split | (np.isfinite(most) & (held < L))
-            # each block's cap cut to the layers it holds at that bottleneck
-            caps = np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)
-            cap_new = np.minimum(cap_new, np.floor(most / layer_new + 1e-9)).clip(min=0.0)
+            if not second:  # each block's cap cut to the layers it holds at that bottleneck
+                caps = np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)
+                cap_new = np.minimum(cap_new, np.floor(most / layer_new + 1e-9)).clip(min=0.0)
         out[live] = rejected
         return out
 
