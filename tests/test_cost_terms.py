@@ -4,6 +4,7 @@ the fixed cost per stage compute, same-node sends, NICs shared by a node's chips
 embeddings. Chip figures are parsed and refused like the others."""
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -334,3 +335,24 @@ def test_a_measured_entrys_split_backward_inverts_to_its_whole_backward():
     b = 0.02
     split_s = cm.split_backward_as_run(b, share * b)[0]
     assert cm.whole_backward_of_split(split_s, share) == pytest.approx(b, rel=1e-12)
+
+
+def test_a_layers_work_and_memory_made_once_give_the_terms_made_whole():
+    """The search's context makes a shape's `layer_work` once per tokens a device sees (every
+    data size and micro-batch that give as many share it) and its `layer_memory` once per
+    shape, for every role and place: the stage terms are those `stage_terms` makes whole."""
+    from h2jax.cluster import ChipGroup, Cluster
+    from h2jax.planner.space import Option, make_context
+
+    c = chip(hbm_gbps=50.0, dispatch_us=20.0)
+    ctx = make_context(Cluster((ChipGroup(c, 16),)), "tiny", S, 16, "zb-h1")
+    for b, data, tensor, recompute, first, last, held, deferred in itertools.product(
+            (2, 4, 8), (1, 2), (1, 2), ("none", "selective", "full"), (False, True), (False, True), (1, 3.5), (0, 2)):
+        o = Option("x", 1, data, tensor, recompute, 0.0)
+        made = ctx.terms(b, o, first, last, held, deferred)
+        whole = cm.stage_terms(TINY, S, b, c, data, tensor, recompute, first, last, held, None, ctx.options,
+                               deferred, True)
+        assert made == whole
+    shared = ctx._layer(4, Option("x", 1, 2, 1, "none", 0.0))[0]
+    assert ctx._layer(8, Option("x", 1, 4, 1, "none", 0.0))[0] is shared  # 2 sequences a device either way
+    assert ctx._layer(8, Option("x", 1, 2, 1, "none", 0.0))[0] is not shared
