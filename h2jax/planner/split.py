@@ -581,7 +581,7 @@ class _Blocks:
     def may_hold(self, caps: list[int], L: int, weight: float, bound: float, ends: _Ends) -> bool:
         """`_may_hold`'s two tests with each block's stages within caps[j] layers and the
         list's end terms and sends `ends`."""
-        for second in (False, True):
+        for _ in range(2):
             rest = self.rest(caps, L)
             if rest is None:
                 return False
@@ -589,10 +589,10 @@ class _Blocks:
             most = (bound / _ROUND - (rest + ends.fill_end) * _ROUND) / weight
             if not math.isfinite(most):
                 return True
-            if ends.floor >= most or self.held(most, caps, ends.e_first, ends.e_last) < L:
+            each = self.holding(most, caps)
+            if ends.floor >= most or self.held(most, caps, ends.e_first, ends.e_last, each) < L:
                 return False
-            if not second:
-                caps = self.holding(most, caps)
+            caps = each  # (the second pass: each block's cap cut to the layers it holds at `most`)
         return True
 
     def holding(self, bottleneck: float, caps: Sequence[int]) -> list[int]:
@@ -626,10 +626,12 @@ class _Blocks:
             per_x -= stages[j] / tail1[j] if tail1[j] > 0 else 0.0
         return rest + max(tail, self.tail_max)
 
-    def held(self, bottleneck: float, caps: Sequence[int], e_first: float = 0.0, e_last: float = 0.0) -> int:
+    def held(self, bottleneck: float, caps: Sequence[int], e_first: float = 0.0, e_last: float = 0.0,
+             each: Sequence[int] | None = None) -> int:
         """The most layers the blocks hold with every stage within `bottleneck`, the first
-        stage's time e_first more and the last's e_last more (`_Ends`)."""
-        each = self.holding(bottleneck, caps)
+        stage's time e_first more and the last's e_last more (`_Ends`); `each`: per block,
+        `holding`'s at `bottleneck`, where the caller has it."""
+        each = self.holding(bottleneck, caps) if each is None else each
         held = sum(k * h for k, h in zip(self.stages, each))
         for e, j in ((e_first, 0), (e_last, len(caps) - 1)):
             if e:  # (that stage alone)
@@ -771,20 +773,20 @@ class Beside:
                           np.broadcast_to(alive(new.fill), k.shape)])
         tail = tail_bound(L, alive(sums.inv_tail), alive(sums.tail_max))
         rejected = np.zeros(len(k), dtype=bool)
-        for second in (False, True):
+        for _ in range(2):
             # `_Blocks.rest` with the tail at its floor: a layer a stage in the fill, the L - p
             # layers beyond those on the cheapest blocks first, within the caps
             room = np.vstack([self.stages * (caps - 1.0), k * (cap_new - 1.0)]).clip(min=0.0)
             rest = tail + sums.fill[live] + _cheapest_extra(fill, room, L - p)
             most = (bound / _ROUND - rest * _ROUND) / weight
-            held = ((self.stages * np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)).sum(axis=0)
-                    + k * np.minimum(cap_new, np.floor(most / layer_new + 1e-9)).clip(min=0.0))
+            # the layers a stage of each block holds at that bottleneck
+            each = np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)
+            each_new = np.minimum(cap_new, np.floor(most / layer_new + 1e-9)).clip(min=0.0)
+            held = (self.stages * each).sum(axis=0) + k * each_new
             no_split = (np.minimum(caps.min(axis=0, initial=np.inf), cap_new) < 1) | (  # (`_Blocks.rest`'s None)
                 (self.stages * caps).sum(axis=0) + k * cap_new < L)
             rejected |= no_split | (np.isfinite(most) & (held < L))
-            if not second:  # each block's cap cut to the layers it holds at that bottleneck
-                caps = np.minimum(caps, np.floor(most / self.layer_s + 1e-9)).clip(min=0.0)
-                cap_new = np.minimum(cap_new, np.floor(most / layer_new + 1e-9)).clip(min=0.0)
+            caps, cap_new = each, each_new  # (the second pass: each block's cap cut to those)
         out[live] = rejected
         return out
 
