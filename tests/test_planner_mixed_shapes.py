@@ -14,9 +14,10 @@ from h2jax.cli import main as cli_main
 from h2jax.cluster import ChipGroup, ChipType, Cluster, Precision, load_chip, load_cluster
 from h2jax.planner import mixed_shapes, plan_cluster, search
 from h2jax.planner.cost_model import CostOptions
+from h2jax.planner.memory_model import StageMemoryTerms
 from h2jax.planner.mixed_shapes import Shapes, climb, in_space, merged, moves, refine
 from h2jax.planner.search import exhaustive_size, top_k
-from h2jax.planner.space import Candidate, PlannerError, SearchStats, divisors, make_context
+from h2jax.planner.space import Candidate, Option, PlannerError, SearchStats, divisors, make_context
 from h2jax.planner.split import Beside, NewShapes, TopK, _may_hold, list_bound, list_sums, sums_bound
 
 REPO = Path(__file__).resolve().parent.parent
@@ -723,3 +724,30 @@ def test_a_climb_far_above_the_best_of_the_climbs_before_it_does_not_look_ahead(
               overall=TopK(1, cutoff=one.time_s * factor))
         assert own.sorted()[0].time_s > one.time_s * (1 - mixed_shapes.LOOKAHEAD_GAP)  # (the gate decides)
         assert bool(calls) == looks
+
+
+def test_a_new_blocks_shapes_are_those_no_other_beats_on_every_count():
+    """mixed_shapes.undominated against its definition, pair by pair, on random shapes: a
+    shape goes where another is no worse on chips per stage, per-layer time, fill, tail and
+    layers held at every in-flight count, and better on one (or equal and listed first)."""
+    rng = random.Random(3)
+    for _ in range(200):
+        shapes = [
+            Option(
+                "H100", 1, rng.choice([1, 2]), rng.choice([1, 2]), "none", rng.choice([1.0, 2.0]),
+                StageMemoryTerms(rng.choice([1.0, 2.0]), rng.choice([1.0, 2.0]), 1, 0.0, 0.0, 0.0, rng.choice([9.0, 12.0])),
+                0, rng.choice([0.5, 1.0]), rng.choice([1.0, math.nan]),
+            )
+            for _ in range(rng.randint(1, 6))
+        ]
+        flights = np.arange(1, 4)
+        caps = [s.max_layers(flights) for s in shapes]
+        keys = [(s.data * s.tensor, s.layer_s, s.fill, s.tail1) for s in shapes]
+
+        def beats(i, j):
+            return (all(a <= b for a, b in zip(keys[i], keys[j])) and (caps[i] >= caps[j]).all()
+                    and (keys[i] != keys[j] or (caps[i] > caps[j]).any() or i < j))
+
+        expected = [s for j, s in enumerate(shapes) if not any(beats(i, j) for i in range(len(shapes)) if i != j)]
+        kept = mixed_shapes.undominated(shapes, 3, 2)
+        assert [id(s) for s in kept] == [id(s) for s in expected]

@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from h2jax.planner.memory_model import StageMemoryTerms
 from h2jax.planner.positions import run_lengths
 from h2jax.planner.space import Candidate, Context, Option, SearchStats
 from h2jax.planner.split import Beside, NewShapes, TopK, solve
@@ -202,15 +203,19 @@ def undominated(shapes: Sequence[Option], m: int, n_layers: int) -> list[Option]
     layers held or more at every number of micro-batches in flight a stage may keep (1 to
     min(m, 2 * n_layers), and m). (Sends, which depend on the neighbours, are not weighed: the
     search is local, not exact.)"""
+    if len(shapes) < 2:
+        return list(shapes)
     in_flight = np.unique(np.r_[np.arange(1, min(m, 2 * n_layers) + 1), m])
-    caps = [np.asarray(s.max_layers(in_flight)) for s in shapes]
-    keys = [(s.data * s.tensor, s.layer_s, s.fill, s.tail1) for s in shapes]
-
-    def beats(i: int, j: int) -> bool:
-        return (all(a <= b for a, b in zip(keys[i], keys[j])) and bool((caps[i] >= caps[j]).all())
-                and (keys[i] != keys[j] or bool((caps[i] > caps[j]).any()) or i < j))
-
-    return [s for j, s in enumerate(shapes) if not any(beats(i, j) for i in range(len(shapes)) if i != j)]
+    # every shape at every count at once: the fit test on the shapes' memory terms stacked
+    caps = StageMemoryTerms.stacked([s.mem for s in shapes]).max_layers(in_flight[None, :]).astype(float)  # (S, F)
+    keys = np.array([(s.data * s.tensor, s.layer_s, s.fill, s.tail1) for s in shapes], dtype=float)  # (S, 4)
+    # beats[i, j]: shape i no worse than j on every count, and better on one (or equal and first)
+    no_worse = (keys[:, None] <= keys[None]).all(-1) & (caps[:, None] >= caps[None]).all(-1)
+    better = (keys[:, None] != keys[None]).any(-1) | (caps[:, None] > caps[None]).any(-1)
+    first = np.arange(len(shapes))[:, None] < np.arange(len(shapes))[None]
+    beats = no_worse & (better | first)
+    np.fill_diagonal(beats, False)
+    return [s for s, gone in zip(shapes, beats.any(axis=0).tolist()) if not gone]
 
 
 def refine(ctx: Context, starts: Sequence[Candidate], micro_batches: Sequence[int], stats: SearchStats,

@@ -135,28 +135,34 @@ def _type_table(ctx, b: int, shapes) -> tuple[TypeTable, StageMemoryTerms | None
     # by most stages: shapes of one k_max are then one slice for the DP's window minima
     shapes = sorted(shapes, key=lambda o: min(o.stages, L))
     S = len(shapes)
-    a, tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(6))
-    end_time, end_tail = np.zeros((4, S)), np.zeros((4, S))
-    steady_a, steady_end = np.zeros((K, S)), np.zeros((K, 4, S))
+    tl, own, kmax, nb, rho = (np.zeros(S) for _ in range(5))
+    end_tail = np.zeros((4, S))
+    end_s = np.zeros((4, S, 3))  # per role and shape: (f, b, w) end seconds
+    layer = np.zeros((S, 3))  # per shape: (f, b, w) seconds per layer (a middle stage's)
     mems = []  # per shape, per role
     for i, o in enumerate(shapes):
         chip = ctx.chips[o.chip]
         for role, (first, last) in enumerate(ROLE_FLAGS):
             t = ctx.terms(b, o, first, last, 1)
-            end_s = np.array([t.fwd_end, t.bwd_end, t.bwd_weight_end])
-            end_time[role, i] = scale * np.dot(form.fill_last if last else form.fill, end_s)
-            steady_end[:, role, i] = [np.dot(k, end_s) for k in form.steady]
+            end_s[role, i] = t.fwd_end, t.bwd_end, t.bwd_weight_end
             end_tail[role, i] = t.tail_end
             mems.append(t.mem)
             if role == MID:
-                layer = np.array([t.fwd_layer, t.bwd_layer, t.bwd_weight_layer])
-                a[i] = scale * min(np.dot(form.fill, layer), np.dot(form.fill_last, layer))
+                layer[i] = t.fwd_layer, t.bwd_layer, t.bwd_weight_layer
                 tl[i] = t.tail_layer
-                steady_a[:, i] = [np.dot(k, layer) for k in form.steady]
         nbytes = b * ctx.seq_len * ctx.model.d_model * cm.dtype_bytes(chip.precision.compute_dtype)
         fast, slow = send_rates(cm.calibrated(chip, ctx.profile), o.data * o.tensor)
         nb[i], rho[i], own[i] = nbytes, slow, nbytes * fast
         kmax[i] = min(o.stages, L)
+    # the closed form's coefficients of (f, b, w), taken term by term (the same sums for every shape)
+    def times(x: np.ndarray, c) -> np.ndarray:
+        return x[..., 0] * c[0] + x[..., 1] * c[1] + x[..., 2] * c[2]
+
+    last_role = np.array([last for _, last in ROLE_FLAGS])[:, None]
+    end_time = scale * np.where(last_role, times(end_s, form.fill_last), times(end_s, form.fill))
+    steady_end = np.stack([times(end_s, k) for k in form.steady]) if S else np.zeros((K, 4, 0))
+    a = scale * np.minimum(times(layer, form.fill), times(layer, form.fill_last))
+    steady_a = np.stack([times(layer, k) for k in form.steady]) if S else np.zeros((K, 0))
     mem = StageMemoryTerms.stacked(mems) if mems else None
     memcap, ends = _memory_caps(ctx, b, mem, S, None)
     return TypeTable(

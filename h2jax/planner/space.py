@@ -248,10 +248,18 @@ class Context:
 
     def fill_terms(self, t: cm.StageTerms, last: bool) -> tuple[float, float]:
         """(per layer, end) seconds of a stage's share of the schedule's fill."""
-        form = self.sched.closed_form
-        cf, cb, cw = (x * form.fill_scale(self.v) for x in (form.fill_last if last else form.fill))
+        cf, cb, cw = self._fill_coefficients()[last]
         return (cf * t.fwd_layer + cb * t.bwd_layer + cw * t.bwd_weight_layer,
                 cf * t.fwd_end + cb * t.bwd_end + cw * t.bwd_weight_end)
+
+    def _fill_coefficients(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        """The schedule's fill coefficients of (f, b, w), scale included: (not last, last). Cached."""
+        found = self._caps.get("fill coefficients")
+        if found is None:
+            form = self.sched.closed_form
+            found = self._caps["fill coefficients"] = tuple(
+                tuple(float(x) * form.fill_scale(self.v) for x in c) for c in (form.fill, form.fill_last))
+        return found
 
     def terms(self, b: int, o: Option, first: bool, last: bool, in_flight: float, deferred: int = 0) -> cm.StageTerms:
         # by the chip's own name: a virtual type (chip_split.py) shares its chip's terms

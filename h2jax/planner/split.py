@@ -466,7 +466,11 @@ def _cheapest_extra(fill: np.ndarray, room: np.ndarray, extra) -> np.ndarray:
     `fill` one per row, or one per row and column."""
     fill = fill.reshape(len(fill), -1)
     order = np.argsort(fill, axis=0, kind="stable")
-    fill, room = np.take_along_axis(fill, order, 0), np.take_along_axis(room, order, 0)
+    if fill.shape[1] == 1:  # one order for every column
+        fill, room = fill[order[:, 0]], room[order[:, 0]]
+    else:
+        cols = np.arange(fill.shape[1])
+        fill, room = fill[order, cols], room[order, cols]
     before = np.cumsum(room, axis=0) - room
     return (fill * np.clip(extra - before, 0.0, room)).sum(axis=0)
 
