@@ -130,7 +130,6 @@ def _type_table(ctx, b: int, shapes) -> tuple[TypeTable, StageMemoryTerms | None
     and its shapes' memory terms stacked (per shape, per role: `_over_lengths` takes them)."""
     L = ctx.model.n_layers
     form = ctx.sched.closed_form
-    K = len(form.steady)
     scale = form.fill_scale(ctx.v)
     # by most stages: shapes of one k_max are then one slice for the DP's window minima
     shapes = sorted(shapes, key=lambda o: min(o.stages, L))
@@ -160,9 +159,9 @@ def _type_table(ctx, b: int, shapes) -> tuple[TypeTable, StageMemoryTerms | None
 
     last_role = np.array([last for _, last in ROLE_FLAGS])[:, None]
     end_time = scale * np.where(last_role, times(end_s, form.fill_last), times(end_s, form.fill))
-    steady_end = np.stack([times(end_s, k) for k in form.steady]) if S else np.zeros((K, 4, 0))
+    steady_end = np.stack([times(end_s, k) for k in form.steady])
     a = scale * np.minimum(times(layer, form.fill), times(layer, form.fill_last))
-    steady_a = np.stack([times(layer, k) for k in form.steady]) if S else np.zeros((K, 0))
+    steady_a = np.stack([times(layer, k) for k in form.steady])
     mem = StageMemoryTerms.stacked(mems) if mems else None
     memcap, ends = _memory_caps(ctx, b, mem, S, None)
     return TypeTable(
