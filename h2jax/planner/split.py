@@ -593,8 +593,10 @@ class _Blocks:
             most = (bound / _ROUND - (rest + ends.fill_end) * _ROUND) / weight
             if not math.isfinite(most):
                 return True
+            if ends.floor >= most:
+                return False
             each = self.holding(most, caps)
-            if ends.floor >= most or self.held(most, caps, ends.e_first, ends.e_last, each) < L:
+            if self.held(most, caps, ends.e_first, ends.e_last, each) < L:
                 return False
             caps = each  # (the second pass: each block's cap cut to the layers it holds at `most`)
         return True
