@@ -57,6 +57,7 @@ from h2jax.config import ConfigError, preset_name
 from h2jax.plan import Plan, load_plan
 from h2jax.planner import cost_model as cm
 from h2jax.planner.profile import Profile, ProfileEntry
+from h2jax.planner.stage_shape import StageShape
 from h2jax.schedules import get_schedule
 from h2jax.trace import TraceEvent
 
@@ -289,8 +290,9 @@ def _head_scale(plan: Plan, chips: Mapping[str, Any], only: Profile, options: cm
     terms, over the head's modelled time (head_scale 1 in `only`)."""
     st, i = plan.stages[-1], plan.n_stages - 1
     held, deferred = cm.memory_holds(plan.schedule, i, plan.n_stages, plan.n_micro, cm.virtual_stages(plan))
-    no_head = cm.stage_terms(plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data,
-                             st.mesh.tensor, st.recompute, i == 0, False, held, only, options, deferred,
+    shape = StageShape(plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
+                       st.recompute)
+    no_head = cm.stage_terms(shape, i == 0, False, held, only, options, deferred,
                              get_schedule(plan.schedule).splits_backward)
     head = (t_last.fwd_end + t_last.bwd_end) - (no_head.fwd_end + no_head.bwd_end)
     rest = measured.forward_s + measured.backward_s - st.n_layers * per_layer - (no_head.fwd_end + no_head.bwd_end)

@@ -12,6 +12,7 @@ from h2jax.cluster import ChipGroup, ChipType, Cluster, Kernels, Precision, chip
 from h2jax.config import ATTENTION_BLOCK, PRESETS, ConfigError, ModelConfig, causal_keys_per_query
 from h2jax.planner import cost_model as cm
 from h2jax.planner import memory_model as mm
+from h2jax.planner.stage_shape import StageShape
 
 # Two layers, GQA (4 query heads over 2 kv heads). The stages run one block of the blocked
 # kernel (compiles stay fast); the kernel's loop over several blocks and its padded rows are
@@ -156,9 +157,9 @@ def test_stage_memory_terms_follow_the_chip_kernel():
     m, s, b = PRESETS["llama-7b"], 4096, 2
     n, a, h = b * s, 2, 32
     for recompute in ("none", "selective", "full"):
-        xla = mm.stage_memory_terms(m, s, b, _chip("xla"), 1, 1, recompute, False, False, 3)
-        cudnn = mm.stage_memory_terms(m, s, b, _chip("fused"), 1, 1, recompute, False, False, 3)
-        blocked = mm.stage_memory_terms(m, s, b, _chip("fused", "rocm"), 1, 1, recompute, False, False, 3)
+        xla = mm.stage_memory_terms(StageShape(m, s, b, _chip("xla"), 1, 1, recompute), False, False, 3)
+        cudnn = mm.stage_memory_terms(StageShape(m, s, b, _chip("fused"), 1, 1, recompute), False, False, 3)
+        blocked = mm.stage_memory_terms(StageShape(m, s, b, _chip("fused", "rocm"), 1, 1, recompute), False, False, 3)
         # one layer's backward (the gradients of what "none" keeps) and, recomputing, the layer
         # being recomputed: its scores under XLA, none under fused kernels
         layers = 1 + (recompute != "none")
@@ -186,7 +187,7 @@ def test_attention_cost_per_kernel():
     n = b * s
     for attention, platform, kernel in (("xla", "cuda", "xla"), ("fused", "cuda", "cudnn"), ("fused", "rocm", "blocked")):
         c = _chip(attention, platform)
-        t = cm.stage_terms(m, s, b, c, 1, 1, "none", False, False, 1)
+        t = cm.stage_terms(StageShape(m, s, b, c, 1, 1, "none"), False, False, 1)
         rate = c.peak_tflops * 1e12 * cm.efficiency(n, m.d_model)
         attn = n * cm.attention_flops_per_token(m, s, kernel) / rate + n * cm.attention_score_bytes_per_token(
             m, s, kernel, 2) / (c.peak_tflops * 1e12 / cm.MACHINE_BALANCE)
@@ -196,13 +197,13 @@ def test_attention_cost_per_kernel():
         assert t.bwd_layer == pytest.approx(2 * mm_s + cm.ATTENTION_BACKWARD[kernel] * attn + 2 * mem, rel=1e-12)
         # selective: XLA runs the scores' matmul and softmax again (its output is kept), cuDNN
         # its whole kernel, the blocked kernel nothing its backward does not recompute anyway
-        sel = cm.stage_terms(m, s, b, c, 1, 1, "selective", False, False, 1)
+        sel = cm.stage_terms(StageShape(m, s, b, c, 1, 1, "selective"), False, False, 1)
         scores = n * cm.attention_score_bytes_per_token(m, s, kernel, 2) / (c.peak_tflops * 1e12 / cm.MACHINE_BALANCE)
         again = {"xla": (attn - scores) / 2 + scores, "cudnn": attn, "blocked": 0.0}[kernel]
         assert sel.bwd_layer == pytest.approx(t.bwd_layer + again, rel=1e-12)
     # flash attention at seq 4096 is faster than XLA's in both directions
-    fast = cm.stage_terms(m, s, b, _chip("fused"), 1, 1, "none", False, False, 1)
-    slow = cm.stage_terms(m, s, b, _chip("xla"), 1, 1, "none", False, False, 1)
+    fast = cm.stage_terms(StageShape(m, s, b, _chip("fused"), 1, 1, "none"), False, False, 1)
+    slow = cm.stage_terms(StageShape(m, s, b, _chip("xla"), 1, 1, "none"), False, False, 1)
     assert fast.fwd_layer < slow.fwd_layer and fast.bwd_layer < slow.bwd_layer
 
 

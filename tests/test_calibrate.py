@@ -12,6 +12,7 @@ from h2jax.config import PRESETS, ConfigError
 from h2jax.plan import Mesh, Plan, Stage, save_plan
 from h2jax.planner import cost_model as cm
 from h2jax.planner import load_profile
+from h2jax.planner.stage_shape import StageShape
 from h2jax.trace import TraceEvent, write_trace
 
 TINY = PRESETS["tiny"]
@@ -263,7 +264,7 @@ def test_achieved_efficiency_inverts_the_cost_models_forward():
     c = dataclasses.replace(load_chip("cpu"), dispatch_us=30.0)
     for b, t in ((1, 1), (4, 1), (4, 2)):
         n = b * 32
-        fwd = cm.stage_terms(TINY, 32, b, c, 1, t, "none", False, False, 1).fwd(1)  # a one-layer stage
+        fwd = cm.stage_terms(StageShape(TINY, 32, b, c, 1, t, "none"), False, False, 1).fwd(1)  # a one-layer stage
         assert achieved_efficiency(TINY, 32, c, t, n, fwd) == pytest.approx(cm.efficiency(n, 64 / t, c.efficiency))
 
 
@@ -274,7 +275,7 @@ def test_a_chip_faster_than_its_file_gets_a_higher_peak_and_a_curve_capped_at_on
 
     file_chip = dataclasses.replace(load_chip("cpu"), dispatch_us=0.0, hbm_gbps=20.0)
     true_chip = dataclasses.replace(file_chip, peak_tflops=2 * file_chip.peak_tflops)
-    fwd = cm.stage_terms(TINY, 32, 2, true_chip, 1, 1, "none", False, False, 1).fwd(1)
+    fwd = cm.stage_terms(StageShape(TINY, 32, 2, true_chip, 1, 1, "none"), False, False, 1).fwd(1)
     fits = chip_fits(file_chip, TINY, 32, [(1, 64, fwd)], hbm_gbps=20.0)
     assert fits["hbm_gbps"] == 20.0 and "dispatch_us" not in fits  # one token count: no intercept
     assert fits["peak_tflops"] == pytest.approx(2 * 0.75 * file_chip.peak_tflops)

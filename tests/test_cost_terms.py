@@ -15,6 +15,7 @@ from h2jax.planner import Profile
 from h2jax.planner import cost_model as cm
 from h2jax.planner import memory_model as mm
 from h2jax.planner.profile import ProfileError, profile_from_dict
+from h2jax.planner.stage_shape import StageShape
 
 TINY = PRESETS["tiny"]  # V 256, d 64, 4 layers, h 4, g 2, e 16, F 128
 S = 32
@@ -26,7 +27,7 @@ def chip(name="x", per_node=4, intra=100.0, inter=10.0, **figures) -> ChipType:
 
 
 def terms(c, b=2, data=1, tensor=1, recompute="none", first=False, last=False, model=TINY, profile=None):
-    return cm.stage_terms(model, S, b, c, data, tensor, recompute, first, last, 1, profile)
+    return cm.stage_terms(StageShape(model, S, b, c, data, tensor, recompute), first, last, 1, profile)
 
 
 # ----------------------------------------------------------------------------- memory-bound work
@@ -305,8 +306,8 @@ def test_a_split_backward_is_priced_as_run_b_less_w_then_a_whole_backward(recomp
     backward (b): B + W = 2b - w and W = b, per layer and in the end terms; the forward,
     tail and memory are the same."""
     c = chip(dispatch_us=100.0)
-    one = cm.stage_terms(TINY, S, 2, c, 1, 1, recompute, first, last, 2, deferred=2)
-    split = cm.stage_terms(TINY, S, 2, c, 1, 1, recompute, first, last, 2, deferred=2, splits_backward=True)
+    one = cm.stage_terms(StageShape(TINY, S, 2, c, 1, 1, recompute), first, last, 2, deferred=2)
+    split = cm.stage_terms(StageShape(TINY, S, 2, c, 1, 1, recompute), first, last, 2, deferred=2, splits_backward=True)
     assert split.bwd_layer == pytest.approx(2 * one.bwd_layer - one.bwd_weight_layer, rel=1e-12)
     assert split.bwd_weight_layer == one.bwd_layer
     assert split.bwd_end == pytest.approx(2 * one.bwd_end - one.bwd_weight_end, rel=1e-12)
@@ -350,9 +351,10 @@ def test_a_layers_work_and_memory_made_once_give_the_terms_made_whole():
             (2, 4, 8), (1, 2), (1, 2), ("none", "selective", "full"), (False, True), (False, True), (1, 3.5), (0, 2)):
         o = Option("x", 1, data, tensor, recompute, 0.0)
         made = ctx.terms(b, o, first, last, held, deferred)
-        whole = cm.stage_terms(TINY, S, b, c, data, tensor, recompute, first, last, held, None, ctx.options,
+        whole = cm.stage_terms(StageShape(TINY, S, b, c, data, tensor, recompute), first, last, held, None, ctx.options,
                                deferred, True)
         assert made == whole
-    shared = ctx._layer(4, Option("x", 1, 2, 1, "none", 0.0))[0]
-    assert ctx._layer(8, Option("x", 1, 4, 1, "none", 0.0))[0] is shared  # 2 sequences a device either way
-    assert ctx._layer(8, Option("x", 1, 2, 1, "none", 0.0))[0] is not shared
+    shape, shared, _ = ctx._layer(4, Option("x", 1, 2, 1, "none", 0.0))
+    assert ctx._layer(4, Option("x", 1, 2, 1, "none", 0.0))[0] is shape  # one StageShape per shape
+    assert ctx._layer(8, Option("x", 1, 4, 1, "none", 0.0))[1] is shared  # 2 sequences a device either way
+    assert ctx._layer(8, Option("x", 1, 2, 1, "none", 0.0))[1] is not shared

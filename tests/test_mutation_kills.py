@@ -483,6 +483,7 @@ def test_kills_model_initialization_keys_are_the_documented_ones():
 from h2jax.cluster import ChipType, Kernels, Precision  # noqa: E402
 from h2jax.config import ModelConfig  # noqa: E402
 from h2jax.planner import memory_model as mm  # noqa: E402
+from h2jax.planner.stage_shape import StageShape  # noqa: E402
 
 _MM_CFG = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=24)
 _GIB = 2**30
@@ -494,7 +495,8 @@ def _mm_chip(platform="cpu", attention="xla", compute="bfloat16"):
 
 
 def _terms(recompute="none", first=True, last=True, in_flight=3, chip=None, **kw):
-    return mm.stage_memory_terms(_MM_CFG, 8, 4, chip or _mm_chip(), 2, 2, recompute, first, last, in_flight, **kw)
+    shape = StageShape(_MM_CFG, 8, 4, chip or _mm_chip(), 2, 2, recompute)
+    return mm.stage_memory_terms(shape, first, last, in_flight, **kw)
 
 
 def test_kills_planner_memory_terms_of_a_first_and_last_stage_by_hand():
@@ -600,7 +602,7 @@ def test_kills_planner_cost_helpers_by_hand():
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_kills_planner_cost_stage_terms_by_hand(recompute):
-    t = cm.stage_terms(_MM_CFG, 8, 4, _cm_chip(), 2, 2, recompute, True, True, 3)
+    t = cm.stage_terms(StageShape(_MM_CFG, 8, 4, _cm_chip(), 2, 2, recompute), True, True, 3)
     rate = 1e12 * 0.75 * 16 / 272 * 8 / 264
     mm_s = 16 * 2 * 1920 / 2 / rate
     attn_s = 16 * 512 / 2 / rate + 16 * 384 / 2 / 5e9  # FLOPs, and the scores through HBM at peak/200
@@ -633,7 +635,7 @@ def test_kills_planner_cost_stage_terms_by_hand(recompute):
 
 def test_kills_planner_cost_middle_stage_sgd_unsharded_cudnn_by_hand():
     chip = _cm_chip("fused", "cuda")  # cuDNN: causal keys, no scores through HBM, 2.5x backward
-    t = cm.stage_terms(_MM_CFG, 8, 2, chip, 1, 1, "none", False, False, 1,
+    t = cm.stage_terms(StageShape(_MM_CFG, 8, 2, chip, 1, 1, "none"), False, False, 1,
                        options=cm.CostOptions(shard_optimizer=False, optimizer="sgd"))
     n = 16
     rate = 1e12 * 0.75 * n / (n + 256) * 16 / (16 + 256)
@@ -1029,13 +1031,13 @@ def test_kills_planner_cost_measured_backward_splits_its_weight_share_and_kernel
 
     entry = ProfileEntry(1, 16, forward_s=0.5, backward_s=1.0)
     profile = Profile(_MM_CFG, 8, {"c": (entry,)})
-    t = cm.stage_terms(_MM_CFG, 8, 2, _cm_chip(), 1, 1, "none", False, False, 1, profile)
+    t = cm.stage_terms(StageShape(_MM_CFG, 8, 2, _cm_chip(), 1, 1, "none"), False, False, 1, profile)
     mm_flops = 16 * 2 * 1920
     fwd_flops = mm_flops + 16 * cm.attention_flops_per_token(_MM_CFG, 8)
     assert t.bwd_weight_layer == pytest.approx(t.bwd_layer * mm_flops / (2 * fwd_flops), rel=1e-12)
     # cuDNN's causal tiles at 200 positions: the fused kernel's FLOPs, not the full square
     n = 200
-    t = cm.stage_terms(_MM_CFG, n, 1, _cm_chip("fused", "cuda"), 1, 1, "none", False, False, 1)
+    t = cm.stage_terms(StageShape(_MM_CFG, n, 1, _cm_chip("fused", "cuda"), 1, 1, "none"), False, False, 1)
     rate = 1e12 * 0.75 * n / (n + 256) * 16 / (16 + 256)
     attn_s = n * cm.attention_flops_per_token(_MM_CFG, n, "cudnn") / rate
     mem_s = n * cm.memory_bound_bytes_per_token(_MM_CFG, 1, 2) / 5e9
@@ -1044,7 +1046,7 @@ def test_kills_planner_cost_measured_backward_splits_its_weight_share_and_kernel
 
 def test_kills_planner_cost_a_sharded_optimizer_state_is_split_over_data():
     def static(shard):
-        t = cm.stage_terms(_MM_CFG, 8, 2, _cm_chip(), 2, 1, "none", False, False, 1,
+        t = cm.stage_terms(StageShape(_MM_CFG, 8, 2, _cm_chip(), 2, 1, "none"), False, False, 1,
                            options=cm.CostOptions(shard_optimizer=shard))
         return t.mem.layer_static
 

@@ -16,6 +16,7 @@ from h2jax.planner import (
 )
 from h2jax.planner import cost_model as cm
 from h2jax.planner import memory_model as mm
+from h2jax.planner.stage_shape import StageShape
 
 TINY = PRESETS["tiny"]
 
@@ -185,7 +186,7 @@ def test_iteration_time_rejects_bad_input():
 def test_layer_time_is_flops_over_peak_times_efficiency():
     c = chip(peak=2.0)
     b, s = 2, 32
-    t = cm.stage_terms(TINY, s, b, c, 1, 1, "none", False, False, 1)
+    t = cm.stage_terms(StageShape(TINY, s, b, c, 1, 1, "none"), False, False, 1)
     p_mm = 64 * 4 * 16 * 2 + 2 * 64 * 2 * 16 + 3 * 64 * 128  # q+o, k+v, MLP
     assert cm.matmul_params(TINY) == p_mm
     n = b * s
@@ -199,19 +200,19 @@ def test_layer_time_is_flops_over_peak_times_efficiency():
     assert t.bwd_layer == pytest.approx(2 * flops / rate + 2 * scores + 2 * mem, rel=1e-12)
     assert t.bwd_weight_layer == pytest.approx(n * 2 * p_mm / rate, rel=1e-12)
     # full: the forward again, but the MLP's down projection (its output is not needed)
-    full = cm.stage_terms(TINY, s, b, c, 1, 1, "full", False, False, 1)
+    full = cm.stage_terms(StageShape(TINY, s, b, c, 1, 1, "full"), False, False, 1)
     down = n * 2 * 64 * 128
     assert full.bwd_layer == pytest.approx((3 * flops - down) / rate + 3 * scores + 3 * mem, rel=1e-12)
     # selective, XLA attention: the scores' matmul (half the core's 4*s*h*e) and softmax again
-    sel = cm.stage_terms(TINY, s, b, c, 1, 1, "selective", False, False, 1)
+    sel = cm.stage_terms(StageShape(TINY, s, b, c, 1, 1, "selective"), False, False, 1)
     assert sel.bwd_layer == pytest.approx((2 * flops + n * 2 * s * 64) / rate + 3 * scores + 2 * mem, rel=1e-12)
 
 
 def test_tensor_parallel_pays_ring_all_reduces_on_the_right_link():
     c = chip(per_node=2, intra=100.0, inter=10.0)
     b, s = 4, 16
-    t1 = cm.stage_terms(TINY, s, b, c, 1, 1, "none", False, False, 1)
-    t2 = cm.stage_terms(TINY, s, b, c, 1, 2, "none", False, False, 1)
+    t1 = cm.stage_terms(StageShape(TINY, s, b, c, 1, 1, "none"), False, False, 1)
+    t2 = cm.stage_terms(StageShape(TINY, s, b, c, 1, 2, "none"), False, False, 1)
     n = b * s
     ar = 2 * 1 / 2 * n * 64 * 4 / 100e9 + 2 * cm.ALPHA_S
     rate1 = 1e12 * cm.efficiency(n, 64)
@@ -227,7 +228,7 @@ def test_tensor_parallel_pays_ring_all_reduces_on_the_right_link():
     )
     # tensor beyond a node pays the inter-node bandwidth
     c1 = dataclasses.replace(c, chips_per_node=1)
-    t2x = cm.stage_terms(TINY, s, b, c1, 1, 2, "none", False, False, 1)
+    t2x = cm.stage_terms(StageShape(TINY, s, b, c1, 1, 2, "none"), False, False, 1)
     ar_x = 2 * 1 / 2 * n * 64 * 4 / 10e9 + 2 * cm.ALPHA_S
     assert t2x.fwd_layer - t2.fwd_layer == pytest.approx(2 * (ar_x - ar), rel=1e-9)
 
@@ -263,7 +264,7 @@ def test_activation_memory_follows_the_adapted_korthikanti_formula():
 
 def test_memory_terms_count_params_grads_optimizer_and_in_flight():
     c = chip(memory=2.0)
-    t = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", True, True, 3, shard_optimizer=True)
+    t = mm.stage_memory_terms(StageShape(TINY, 16, 4, c, 2, 2, "none"), True, True, 3, shard_optimizer=True)
     per_param = 4 + 4 + 8 / 2
     assert t.layer_static == TINY.layer_param_count() / 2 * per_param
     assert t.params_end == (2 * 256 * 64 + 64) / 2 * per_param
@@ -277,7 +278,7 @@ def test_memory_terms_count_params_grads_optimizer_and_in_flight():
     assert t.reserve == 0.1 * 2 * 1024**3
     assert t.total_bytes(3) == pytest.approx(
         (t.layer_static + 3 * act) * 3 + t.params_end + 3 * head + backward + logits + t.reserve)
-    unsharded = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", False, False, 3, shard_optimizer=False)
+    unsharded = mm.stage_memory_terms(StageShape(TINY, 16, 4, c, 2, 2, "none"), False, False, 3, shard_optimizer=False)
     assert unsharded.layer_static == TINY.layer_param_count() / 2 * 16
 
 
@@ -293,8 +294,8 @@ def test_in_flight_is_the_registrys_rule():
 
 def test_deferred_weight_gradients_take_memory():
     c = load_chip("cpu")
-    plain = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", False, False, 3)
-    zb = mm.stage_memory_terms(TINY, 16, 4, c, 2, 2, "none", False, False, 3, deferred=2)
+    plain = mm.stage_memory_terms(StageShape(TINY, 16, 4, c, 2, 2, "none"), False, False, 3)
+    zb = mm.stage_memory_terms(StageShape(TINY, 16, 4, c, 2, 2, "none"), False, False, 3, deferred=2)
     per_token = TINY.d_model * 4  # one layer's output gradient, f32 on this chip
     assert zb.total_bytes(5) - plain.total_bytes(5) == pytest.approx(2 * 5 * (4 / 2 * 16) * per_token)
 
@@ -382,20 +383,20 @@ def test_profile_replaces_analytical_layer_times(tmp_path):
     path = tmp_path / "p.json"
     save_profile(prof, path)
     prof = load_profile(path)
-    t = cm.stage_terms(TINY, 32, 2, c, 1, 1, "none", False, False, 1, prof)
+    t = cm.stage_terms(StageShape(TINY, 32, 2, c, 1, 1, "none"), False, False, 1, prof)
     assert (t.fwd_layer, t.bwd_layer) == (0.010, 0.020)
-    mid = cm.stage_terms(TINY, 32, 3, c, 1, 1, "none", False, False, 1, prof)  # 96 tokens: halfway
+    mid = cm.stage_terms(StageShape(TINY, 32, 3, c, 1, 1, "none"), False, False, 1, prof)  # 96 tokens: halfway
     assert mid.fwd_layer == pytest.approx(0.014) and mid.bwd_layer == pytest.approx(0.028)
-    big = cm.stage_terms(TINY, 32, 8, c, 1, 1, "none", False, False, 1, prof)  # 256 tokens: scaled
+    big = cm.stage_terms(StageShape(TINY, 32, 8, c, 1, 1, "none"), False, False, 1, prof)  # 256 tokens: scaled
     assert big.fwd_layer == pytest.approx(0.036)
-    full = cm.stage_terms(TINY, 32, 4, c, 1, 1, "full", False, False, 1, prof)
+    full = cm.stage_terms(StageShape(TINY, 32, 4, c, 1, 1, "full"), False, False, 1, prof)
     assert full.bwd_layer == 0.050  # measured with the policy
-    sel = cm.stage_terms(TINY, 32, 4, c, 1, 1, "selective", False, False, 1, prof)
+    sel = cm.stage_terms(StageShape(TINY, 32, 4, c, 1, 1, "selective"), False, False, 1, prof)
     share = 2 * 32 * 64 / (2 * cm.matmul_params(TINY) + 4 * 32 * 64)  # the scores' matmul (XLA attention)
     assert sel.bwd_layer == pytest.approx(0.036 + 0.018 * share)  # "none" + analytical recompute
-    assert cm.stage_terms(TINY, 32, 4, c, 1, 1, "none", False, False, 1, prof).mem.layer_activation == 1000
+    assert cm.stage_terms(StageShape(TINY, 32, 4, c, 1, 1, "none"), False, False, 1, prof).mem.layer_activation == 1000
     # a tensor size the profile lacks falls back to the analytical model
-    t2 = cm.stage_terms(TINY, 32, 2, c, 1, 2, "none", False, False, 1, prof)
+    t2 = cm.stage_terms(StageShape(TINY, 32, 2, c, 1, 2, "none"), False, False, 1, prof)
     assert t2.fwd_layer != 0.010
 
 

@@ -13,6 +13,7 @@ from h2jax.config import get_config
 from h2jax.planner import PlannerError, plan_cluster, top_k
 from h2jax.planner import cost_model as cm
 from h2jax.planner.memory_model import GIB, StageMemoryTerms
+from h2jax.planner.stage_shape import StageShape
 
 # Two big layers (about 14 GB of parameters, gradients and optimizer state each): the old
 # cap's slack, floor(room / per_layer + 1e-9), spans 14 bytes of such a layer.
@@ -28,7 +29,7 @@ def one_stage_memory(memory_gib: float):
     """The memory terms of the only plan one chip allows: one stage (first and last) with both
     layers, micro-batch 1, recompute full."""
     in_flight, deferred = cm.memory_holds("1f1b", 0, 1, 1)
-    return cm.stage_terms(get_config(MODEL), SEQ, 1, chip(memory_gib), 1, 1, "full", True, True, in_flight,
+    return cm.stage_terms(StageShape(get_config(MODEL), SEQ, 1, chip(memory_gib), 1, 1, "full"), True, True, in_flight,
                           deferred=deferred).mem
 
 

@@ -13,6 +13,7 @@ from h2jax.planner import PlannerError, top_k
 from h2jax.planner import cost_model as cm
 from h2jax.planner.search import make_context
 from h2jax.planner.split import _breakpoints, list_bound, list_may_beat, list_sums, sums_bound
+from h2jax.planner.stage_shape import StageShape
 
 
 @st.composite
@@ -271,7 +272,9 @@ def test_auto_computes_each_stage_term_once_for_all_its_schedules(monkeypatch):
     real, made = cost_model.stage_terms, []
 
     def counted(*args, **kwargs):
-        made.append((args[2], args[3].name, *args[4:10], args[12:]))
+        shape = args[0]
+        made.append((shape.micro_batch, shape.chip.name, shape.data, shape.tensor, shape.recompute, *args[1:4],
+                     args[6:]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cost_model, "stage_terms", counted)
@@ -299,8 +302,8 @@ def test_a_stages_times_do_not_depend_on_what_it_holds_in_flight():
              "tail_layer", "tail_end", "dp_layer", "dp_end")
     for (data, tensor), recompute, first, last in itertools.product(
             [(1, 1), (2, 2), (1, 4)], ["none", "selective", "full"], [False, True], [False, True]):
-        terms = [cm.stage_terms(get_config("tiny"), 32, 4, chip, data, tensor, recompute, first, last,
-                                held, None, cm.CostOptions(), deferred)
+        shape = StageShape(get_config("tiny"), 32, 4, chip, data, tensor, recompute)
+        terms = [cm.stage_terms(shape, first, last, held, None, cm.CostOptions(), deferred)
                  for held, deferred in [(1, 0), (4, 0), (16, 0), (4, 3)]]
         assert all([getattr(t, f) for f in times] == [getattr(terms[0], f) for f in times] for t in terms)
         assert terms[0].mem.per_layer < terms[2].mem.per_layer  # (what grows: the memory)

@@ -105,6 +105,7 @@ from h2jax.plan import Optimizer, Plan
 from h2jax.planner import memory_model as mm
 from h2jax.planner.profile import Profile
 from h2jax.planner.stage_cost import StageCost
+from h2jax.planner.stage_shape import StageShape
 from h2jax.schedules import bubble_fraction as _bubble, get_schedule
 
 DEFAULT_CURVE = EfficiencyCurve()
@@ -351,13 +352,7 @@ def layer_work(model: ModelConfig, seq_len: int, tokens: float, chip: ChipType, 
 
 
 def stage_terms(
-    model: ModelConfig,
-    seq_len: int,
-    micro_batch: int,
-    chip: ChipType,
-    data: int,
-    tensor: int,
-    recompute: str,
+    shape: StageShape,
     first: bool,
     last: bool,
     in_flight: float,
@@ -372,11 +367,13 @@ def stage_terms(
     W (`split_backward_as_run`: what each of them runs). `layer` and `layer_memory`: this
     shape's `layer_work` and `memory_model.layer_memory`, where the caller has them (the same
     for every place of the stage; `layer_work` also for every micro-batch and data size that
-    give a device as many tokens)."""
-    chip = calibrated(chip, profile)
+    give a device as many tokens). The memory terms take the shape's own chip: a profile's fits
+    replace no figure the memory model reads (`profile.FIT_FIELDS`)."""
+    model, data, tensor = shape.model, shape.data, shape.tensor
+    chip = calibrated(shape.chip, profile)
     d, V = model.d_model, model.vocab_size
     if layer is None:
-        layer = layer_work(model, seq_len, micro_batch / data * seq_len, chip, tensor, recompute, profile)
+        layer = layer_work(model, shape.seq_len, shape.tokens, chip, tensor, shape.recompute, profile)
     tokens, rate, tp_ar = layer.tokens, layer.rate, layer.tp_ar
     fwd_layer, bwd_layer, bwd_weight_layer = layer.fwd_layer, layer.bwd_layer, layer.bwd_weight_layer
     hbm, dispatch = chip.hbm_bytes_per_s, chip.dispatch_s
@@ -408,10 +405,8 @@ def stage_terms(
         (bwd_layer, bwd_weight_layer), (bwd_end, bwd_weight_end) = (
             split_backward_as_run(bwd_layer, bwd_weight_layer), split_backward_as_run(bwd_end, bwd_weight_end))
 
-    mem = mm.stage_memory_terms(
-        model, seq_len, micro_batch, chip, data, tensor, recompute, first, last, in_flight,
-        options.shard_optimizer, options.optimizer, layer.measured_act, deferred, layer_memory,
-    )
+    mem = mm.stage_memory_terms(shape, first, last, in_flight, options.shard_optimizer, options.optimizer,
+                                layer.measured_act, deferred, layer_memory)
     return StageTerms(
         fwd_layer, fwd_end, bwd_layer, bwd_end, bwd_weight_layer, bwd_weight_end,
         tail_layer, tail_end, dp_layer, dp_end, mem,
@@ -535,11 +530,10 @@ def plan_stage_terms(
                 f"stages[{i}].chip {st.chip!r} is not in the cluster; it has {', '.join(chips) or '(none)'}"
             )
         held, deferred = memory_holds(plan.schedule, i, p, plan.n_micro, virtual_stages(plan))
-        out.append(stage_terms(
-            plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
-            st.recompute, i == 0, i == p - 1, held, profile, options, deferred,
-            get_schedule(plan.schedule).splits_backward,
-        ))
+        shape = StageShape(plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
+                           st.recompute)
+        out.append(stage_terms(shape, i == 0, i == p - 1, held, profile, options, deferred,
+                               get_schedule(plan.schedule).splits_backward))
     return out
 
 

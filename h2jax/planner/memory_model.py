@@ -48,8 +48,8 @@ from typing import Sequence
 
 import numpy as np
 
-from h2jax.cluster import ChipType
 from h2jax.config import ATTENTION_BLOCK, ModelConfig
+from h2jax.planner.stage_shape import StageShape
 
 GIB = 1024**3
 RESERVE_FRACTION = 0.10
@@ -212,19 +212,15 @@ class LayerMemory:
 
 
 def layer_memory(
-    model: ModelConfig,
-    seq_len: int,
-    micro_batch: int,
-    chip: ChipType,
-    data: int,
-    tensor: int,
-    recompute: str,
+    shape: StageShape,
     shard_optimizer: bool = True,
     optimizer: str = "adamw",
     measured_activation: int | None = None,
 ) -> LayerMemory:
     """A stage shape's `LayerMemory`."""
-    tokens = micro_batch / data * seq_len
+    model, seq_len, chip, data, tensor, recompute = (
+        shape.model, shape.seq_len, shape.chip, shape.data, shape.tensor, shape.recompute)
+    tokens = shape.tokens
     a = _DTYPE_BYTES[chip.precision.compute_dtype]
     per_param = (
         _DTYPE_BYTES[chip.precision.param_dtype]
@@ -249,13 +245,7 @@ def layer_memory(
 
 
 def stage_memory_terms(
-    model: ModelConfig,
-    seq_len: int,
-    micro_batch: int,
-    chip: ChipType,
-    data: int,
-    tensor: int,
-    recompute: str,
+    shape: StageShape,
     first: bool,
     last: bool,
     in_flight: float,
@@ -268,9 +258,9 @@ def stage_memory_terms(
     """A stage's StageMemoryTerms; `layer`: its shape's `layer_memory`, where the caller has it
     (the same for every place of the stage)."""
     if layer is None:
-        layer = layer_memory(model, seq_len, micro_batch, chip, data, tensor, recompute, shard_optimizer, optimizer,
-                             measured_activation)
-    tokens = micro_batch / data * seq_len
+        layer = layer_memory(shape, shard_optimizer, optimizer, measured_activation)
+    model, chip, tensor = shape.model, shape.chip, shape.tensor
+    tokens = shape.tokens
     a = _DTYPE_BYTES[chip.precision.compute_dtype]
     params_end = end_params(model, first, last) / tensor * layer.per_param
     working = layer.working

@@ -18,6 +18,7 @@ from h2jax.planner import cost_model as cm
 from h2jax.planner import memory_model as mm
 from h2jax.planner.memory_model import StageMemoryTerms
 from h2jax.planner.profile import Profile
+from h2jax.planner.stage_shape import StageShape
 from h2jax.schedules import AUTO, Schedule, get_schedule
 
 
@@ -267,32 +268,29 @@ class Context:
         key = (b, self.chips[o.chip].name, o.data, o.tensor, o.recompute, first, last, in_flight, deferred, split)
         t = self._terms.get(key)
         if t is None:
-            t = cm.stage_terms(
-                self.model, self.seq_len, b, self.chips[o.chip], o.data, o.tensor, o.recompute,
-                first, last, in_flight, self.profile, self.options, deferred, split, *self._layer(b, o),
-            )
+            shape, work, memory = self._layer(b, o)
+            t = cm.stage_terms(shape, first, last, in_flight, self.profile, self.options, deferred, split, work, memory)
             self._terms[key] = t
         return t
 
-    def _layer(self, b: int, o: Option) -> tuple[cm.LayerWork, mm.LayerMemory]:
-        """The shape's `cm.layer_work` and `memory_model.layer_memory` at micro-batch b, made
-        once: the first per chip, tokens a device sees, tensor size and recompute mode (every
-        data size that gives as many tokens shares it), the second per shape; both for every
-        role and place of a stage."""
-        name = self.chips[o.chip].name
-        key = ("layer", name, b, o.data, o.tensor, o.recompute)
+    def _layer(self, b: int, o: Option) -> tuple[StageShape, cm.LayerWork, mm.LayerMemory]:
+        """The shape at micro-batch b, its `cm.layer_work` and its `memory_model.layer_memory`,
+        made once: the work per chip, tokens a device sees, tensor size and recompute mode (every
+        data size that gives as many tokens shares it), the shape and its memory per shape; all
+        for every role and place of a stage."""
+        chip = self.chips[o.chip]
+        key = ("layer", chip.name, b, o.data, o.tensor, o.recompute)
         found = self._terms.get(key)
         if found is None:
-            chip = cm.calibrated(self.chips[o.chip], self.profile)  # (as stage_terms takes it)
-            work_key = ("work", name, b / o.data, o.tensor, o.recompute)
+            shape = StageShape(self.model, self.seq_len, b, chip, o.data, o.tensor, o.recompute)
+            work_key = ("work", chip.name, b / o.data, o.tensor, o.recompute)
             work = self._terms.get(work_key)
             if work is None:
                 work = self._terms[work_key] = cm.layer_work(
-                    self.model, self.seq_len, b / o.data * self.seq_len, chip, o.tensor, o.recompute, self.profile)
-            memory = mm.layer_memory(
-                self.model, self.seq_len, b, chip, o.data, o.tensor, o.recompute, self.options.shard_optimizer,
-                self.options.optimizer, work.measured_act)
-            found = self._terms[key] = (work, memory)
+                    self.model, self.seq_len, shape.tokens, cm.calibrated(chip, self.profile),  # (as stage_terms)
+                    o.tensor, o.recompute, self.profile)
+            memory = mm.layer_memory(shape, self.options.shard_optimizer, self.options.optimizer, work.measured_act)
+            found = self._terms[key] = (shape, work, memory)
         return found
 
     def layer_cap(self, t: cm.StageTerms) -> int:
