@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -329,34 +330,73 @@ def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
 
     A window of length k is covered by two blocks of length 2**floor(log2 k), one starting at
     its start and one ending at its end (minima over 2**v-blocks by doubling, each level built
-    only for the shapes whose windows need it: the shapes come sorted by k_max); windows cut
-    at 0 are prefix minima."""
+    only for the shapes whose windows need it: the shapes come sorted by k_max); a window cut
+    at 0 (i < k - 1) is a prefix minimum, covered the same way by the block at 0 and one
+    ending at i. The steps depend only on k_max and n: planned once (`_window_plan`)."""
     n = H.shape[-1]
-    k = [min(x, n) for x in np.asarray(k_max).tolist()]  # (Python ints: the bisections below are per call)
+    plan = _window_plan(np.asarray(k_max, dtype=np.int64).tobytes(), n)
+    if plan.order is not None:
+        return _window_min(H[..., plan.order, :], np.asarray(k_max)[plan.order])[..., plan.inverse, :]
+    out = np.empty_like(H)
+    if plan.n_short < H.shape[-2]:  # windows that span the row: prefix minima
+        out[..., plan.n_short:, :] = np.minimum.accumulate(H[..., plan.n_short:, :], axis=-1)
+    level = H[..., : plan.n_short, :]  # level v: minima over 2**v positions, of the shapes plan.first..
+    for op, a, b, c, d, e, f in plan.steps:
+        if op == _NEXT_LEVEL:  # a: the shapes kept (from the current level's first), b: 2**v
+            rows = level[..., a:, :]
+            level = np.minimum(rows[..., : rows.shape[-1] - b], rows[..., b:])
+        elif op == _PREFIX:  # shapes a:b (c:d of the level), prefix minima at positions e-1 .. f-1
+            m = f - e
+            out[..., a:b, e - 1: f - 1] = np.minimum(level[..., c:d, :1], level[..., c:d, :m])
+        else:  # _WINDOWS: shapes a:b (c:d of the level) of window e, blocks of f
+            P = level[..., c:d, :]
+            out[..., a:b, e - 1:] = np.minimum(P[..., : n - e + 1], P[..., e - f: n - f + 1])
+    return out
+
+
+_NEXT_LEVEL, _PREFIX, _WINDOWS = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _WindowPlan:
+    """`_window_min`'s steps for one k_max and row length n: `order` / `inverse` where k_max is
+    not sorted (the steps are those of the sorted k_max), else the shapes [n_short, ..) whose
+    windows span the row, and per step (op, a, b, c, d, e, f) as `_window_min` reads them."""
+
+    order: np.ndarray | None
+    inverse: np.ndarray | None
+    n_short: int
+    steps: tuple[tuple[int, int, int, int, int, int, int], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _window_plan(k_bytes: bytes, n: int) -> _WindowPlan:
+    k = [min(x, n) for x in np.frombuffer(k_bytes, dtype=np.int64).tolist()]
     if any(a > b for a, b in zip(k, k[1:])):
         order = np.argsort(k, kind="stable")
-        return _window_min(H[..., order, :], np.asarray(k)[order])[..., np.argsort(order), :]
+        return _WindowPlan(order, np.argsort(order), 0, ())
     n_short = bisect.bisect_left(k, n)  # shapes [0, n_short) have windows shorter than a row
-    # the windows that reach q = 0 are prefix minima: every position of a shape whose window
-    # spans the row, positions 0 .. k-2 of the others (numpy's accumulate is slow: only those)
-    out = np.empty_like(H)
-    if n_short < len(k):
-        out[..., n_short:, :] = np.minimum.accumulate(H[..., n_short:, :], axis=-1)
-    if n_short and k[n_short - 1] > 1:
-        cut = k[n_short - 1] - 1
-        out[..., :n_short, :cut] = np.minimum.accumulate(H[..., :n_short, :cut], axis=-1)
-    level, first, v = H[..., :n_short, :], 0, 0  # level v: shapes first.., length n - 2**v + 1
-    for kk in sorted(set(k[:n_short])):
-        lev = kk.bit_length() - 1
-        while v < lev:
-            start, span = bisect.bisect_left(k, 2 ** (v + 1)), 1 << v
-            rows = level[..., start - first:, :]
-            level = np.minimum(rows[..., : rows.shape[-1] - span], rows[..., span:])
-            first, v = start, v + 1
-        lo, hi, span = bisect.bisect_left(k, kk), bisect.bisect_right(k, kk), 1 << lev
-        P = level[..., lo - first: hi - first, :]
-        out[..., lo:hi, kk - 1:] = np.minimum(P[..., : n - kk + 1], P[..., kk - span: n - span + 1])
-    return out
+    steps, first, v = [], 0, 0  # the level's first shape, its v
+    top = (k[n_short - 1].bit_length() - 1) if n_short else -1
+    while v <= top:
+        span = 1 << v
+        # prefix minima at positions span-1 .. 2*span-2 (i + 1 in [span, 2 * span)): min of the
+        # block at 0 and the one ending at i; the shapes that still need them: k - 2 >= span - 1
+        lo, hi = bisect.bisect_left(k, span + 1), n_short
+        end = min(2 * span, max(k[lo:hi], default=0))  # positions i <= k - 2 of the largest k
+        if lo < hi and end > span:
+            steps.append((_PREFIX, lo, hi, lo - first, hi - first, span, end))
+        # the windows of the shapes whose 2**floor(log2 k) is this level's span
+        lo, hi = bisect.bisect_left(k, span), bisect.bisect_left(k, 2 * span, hi=n_short)
+        for kk in sorted(set(k[lo:hi])):
+            a, b = bisect.bisect_left(k, kk), bisect.bisect_right(k, kk)
+            steps.append((_WINDOWS, a, b, a - first, b - first, kk, span))
+        if v < top:  # the next level, for the shapes whose k needs it
+            start = bisect.bisect_left(k, 2 * span)
+            steps.append((_NEXT_LEVEL, start - first, span, 0, 0, 0, 0))
+            first = start
+        v += 1
+    return _WindowPlan(None, None, n_short, tuple(steps))
 
 
 @dataclasses.dataclass
