@@ -41,21 +41,29 @@ REPO = Path(__file__).resolve().parent.parent
 CLUSTERS = ["cluster-64.toml", "cluster-768.toml", "cluster-1024.toml", "cluster-2432.toml"]
 
 
+def timed_search(cluster: Cluster, time_limit: float, repeat: int, **options) -> tuple:
+    """(best plan, stats, {search_time_s_min, search_time_s_median}) of `repeat` runs of the
+    same deterministic search (llama-100b, 4,096 tokens, 2,048 sequences): the spread is the
+    machine's."""
+    walls = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, time_limit_s=time_limit, **options)
+        walls.append(time.perf_counter() - t0)
+    return best, stats, {"search_time_s_min": round(min(walls), 3),
+                         "search_time_s_median": round(statistics.median(walls), 3)}
+
+
 def shipped(time_limit: float, repeat: int) -> dict:
     out = {}
     for name in CLUSTERS:
         cluster = load_cluster(REPO / "plans" / name)
-        walls = []
-        for _ in range(repeat):  # the same deterministic search each time: the spread is the machine's
-            t0 = time.perf_counter()
-            (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, time_limit_s=time_limit)
-            walls.append(time.perf_counter() - t0)
+        best, stats, walls = timed_search(cluster, time_limit, repeat)
         chips = sum(o.chips for o in best.options)
         out[cluster.name] = {
             "chips": cluster.n_chips,
             "chip_types": len(cluster.groups),
-            "search_time_s_min": round(min(walls), 3),
-            "search_time_s_median": round(statistics.median(walls), 3),
+            **walls,
             "proved_optimal": stats.proved_optimal,
             "lower_bound_s": round(stats.lower_bound_s, 4),
             "within_of_optimum": round(best.time_s / stats.lower_bound_s - 1, 4) if stats.lower_bound_s else None,
@@ -233,18 +241,12 @@ def shipped_two_shapes(time_limit: float, repeat: int) -> dict:
     out = {}
     for name in CLUSTERS:
         cluster = load_cluster(REPO / "plans" / name)
-        walls = []
-        for _ in range(repeat):  # the same deterministic search each time: the spread is the machine's
-            t0 = time.perf_counter()
-            (best,), stats = top_k(cluster, "llama-100b", 4096, 8 * 2**20 // 4096, time_limit_s=time_limit,
-                                   mixed_shapes=True)
-            walls.append(time.perf_counter() - t0)
+        best, stats, walls = timed_search(cluster, time_limit, repeat, mixed_shapes=True)
         per_type = {}
         for o in best.options:
             per_type.setdefault(o.chip, []).append(f"{o.stages}x(data={o.data},tensor={o.tensor},{o.recompute})")
         out[cluster.name] = {
-            "search_time_s_min": round(min(walls), 3),
-            "search_time_s_median": round(statistics.median(walls), 3),
+            **walls,
             "one_shape_step_time_s": round(stats.one_shape_time_s, 4),
             "step_time_s": round(best.time_s, 4),
             "faster_by": round(1 - best.time_s / stats.one_shape_time_s, 4),
