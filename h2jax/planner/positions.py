@@ -340,12 +340,12 @@ def _window_min(H: np.ndarray, k_max: np.ndarray) -> np.ndarray:
     out = np.empty_like(H)
     if plan.n_short < H.shape[-2]:  # windows that span the row: prefix minima
         out[..., plan.n_short:, :] = np.minimum.accumulate(H[..., plan.n_short:, :], axis=-1)
-    level = H[..., : plan.n_short, :]  # level v: minima over 2**v positions, of the shapes plan.first..
+    level = H[..., : plan.n_short, :]  # level v: minima over 2**v positions, of the shapes with k >= 2**v
     for op, a, b, c, d, e, f in plan.steps:
         if op == _NEXT_LEVEL:  # a: the shapes kept (from the current level's first), b: 2**v
             rows = level[..., a:, :]
             level = np.minimum(rows[..., : rows.shape[-1] - b], rows[..., b:])
-        elif op == _PREFIX:  # shapes a:b (c:d of the level), prefix minima at positions e-1 .. f-1
+        elif op == _PREFIX:  # shapes a:b (c:d of the level), prefix minima at positions e-1 .. f-2
             m = f - e
             out[..., a:b, e - 1: f - 1] = np.minimum(level[..., c:d, :1], level[..., c:d, :m])
         else:  # _WINDOWS: shapes a:b (c:d of the level) of window e, blocks of f
