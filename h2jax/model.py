@@ -17,7 +17,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -49,29 +48,6 @@ def layer_name(i: int) -> str:
 
 def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-# The fused weights' parts as the model stored them apart until 2026-12-07 (a checkpoint of
-# then holds them, and its optimizer moments alike): `fuse_legacy` builds the fused array.
-LEGACY_PARTS = {"wqkv_DKGE": ("wq_DHE", "wk_DKE", "wv_DKE"), "w_gate_up_D2F": ("w_gate_DF", "w_up_DF")}
-
-
-def legacy_shapes(name: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The shapes of LEGACY_PARTS[name] that fuse into an array of `shape`."""
-    if name == "wqkv_DKGE":
-        D, K, G, E = shape
-        return [(D, K * (G - 2), E), (D, K, E), (D, K, E)]
-    D, _, F = shape
-    return [(D, F), (D, F)]
-
-
-def fuse_legacy(name: str, parts: list[np.ndarray]) -> np.ndarray:
-    """The fused weight `name` from its LEGACY_PARTS (their layout: Attention, SwiGLU)."""
-    if name == "wqkv_DKGE":
-        wq, wk, wv = parts
-        D, K, E = wk.shape
-        return np.concatenate([wq.reshape(D, K, -1, E), wk[:, :, None], wv[:, :, None]], axis=2)
-    return np.stack(parts, axis=1)
 
 
 class RMSNorm(nnx.Module):
@@ -175,13 +151,7 @@ def causal_attention(q_BSHE, k_BSKE, v_BSKE, kernel: str = "xla", precision=None
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention; heads split over `tensor` (Megatron column/row).
-
-    q, k and v come from one fused projection `wqkv_DKGE` (D, K, G + 2, E): per kv head k,
-    its G = H / K query heads (q head h = k * G + g), then its key, then its value. Split over
-    `tensor` by kv head, each device holds whole groups, and the backward's input gradient of
-    the three is one matmul, so one all-reduce (three when they were separate matmuls; the
-    same for `w_gate_up_D2F` in the MLP)."""
+    """Causal grouped-query attention; heads split over `tensor` (Megatron column/row)."""
 
     def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None, kernel: str = "xla"):
         if kernel not in ATTENTION_KERNELS:
@@ -189,46 +159,37 @@ class Attention(nnx.Module):
         D, H, K, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kq, kk, kv, ko = jax.random.split(key, 4)
         std = cfg.init_std
-        wq = _normal(kq, (D, H, E), std, dtype).reshape(D, K, H // K, E)
-        wk, wv = (_normal(k, (D, K, 1, E), std, dtype) for k in (kk, kv))
-        self.wqkv_DKGE = nnx.Param(jnp.concatenate([wq, wk, wv], axis=2),
-                                   logical_axes=("embed", "kv_heads", "qkv", "head_dim"))
+        self.wq_DHE = nnx.Param(_normal(kq, (D, H, E), std, dtype), logical_axes=("embed", "heads", "head_dim"))
+        self.wk_DKE = nnx.Param(_normal(kk, (D, K, E), std, dtype), logical_axes=("embed", "kv_heads", "head_dim"))
+        self.wv_DKE = nnx.Param(_normal(kv, (D, K, E), std, dtype), logical_axes=("embed", "kv_heads", "head_dim"))
         self.wo_HED = nnx.Param(_normal(ko, (H, E, D), std, dtype), logical_axes=("heads", "head_dim", "embed"))
         self.theta, self.precision, self.kernel = cfg.rope_theta, precision, kernel
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
-        B, S, _ = x_BSD.shape
-        _, K, G, E = self.wqkv_DKGE.shape
-        G -= 2
-        qkv_BSKGE = jnp.einsum("bsd,dkge->bskge", x_BSD, self.wqkv_DKGE[...], precision=p)
         # q and k are kept rotated (the same bytes): the attention's backward needs them so, and
-        # the projection's backward needs neither, so nothing recomputes the rotation.
-        q_BSHE = saved(rotary(qkv_BSKGE[:, :, :, :G].reshape(B, S, K * G, E), self.theta), "qkv")
-        k_BSKE = saved(rotary(qkv_BSKGE[:, :, :, G], self.theta), "qkv")
-        v_BSKE = saved(qkv_BSKGE[:, :, :, G + 1], "qkv")
+        # the projections' backward needs neither, so nothing recomputes the rotation.
+        q_BSHE = saved(rotary(jnp.einsum("bsd,dhe->bshe", x_BSD, self.wq_DHE[...], precision=p), self.theta), "qkv")
+        k_BSKE = saved(rotary(jnp.einsum("bsd,dke->bske", x_BSD, self.wk_DKE[...], precision=p), self.theta), "qkv")
+        v_BSKE = saved(jnp.einsum("bsd,dke->bske", x_BSD, self.wv_DKE[...], precision=p), "qkv")
         out_BSHE = saved(causal_attention(q_BSHE, k_BSKE, v_BSKE, self.kernel, p), "attn_out")
         return jnp.einsum("bshe,hed->bsd", out_BSHE, self.wo_HED[...], precision=p)
 
 
 class SwiGLU(nnx.Module):
-    """The SwiGLU MLP; the gate and up projections fused into `w_gate_up_D2F` (D, 2, F): one
-    matmul, whose input gradient is one all-reduce under `tensor` (see Attention)."""
-
     def __init__(self, cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, precision=None):
         D, F = cfg.d_model, cfg.d_ff
         kg, ku, kd = jax.random.split(key, 3)
         std = cfg.init_std
-        self.w_gate_up_D2F = nnx.Param(jnp.stack([_normal(k, (D, F), std, dtype) for k in (kg, ku)], axis=1),
-                                       logical_axes=("embed", "gate_up", "mlp"))
+        self.w_gate_DF = nnx.Param(_normal(kg, (D, F), std, dtype), logical_axes=("embed", "mlp"))
+        self.w_up_DF = nnx.Param(_normal(ku, (D, F), std, dtype), logical_axes=("embed", "mlp"))
         self.w_down_FD = nnx.Param(_normal(kd, (F, D), std, dtype), logical_axes=("mlp", "embed"))
         self.precision = precision
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         p = self.precision
-        gate_up_BS2F = jnp.einsum("bsd,dtf->bstf", x_BSD, self.w_gate_up_D2F[...], precision=p)
-        gate_BSF = saved(gate_up_BS2F[:, :, 0], "mlp")
-        up_BSF = saved(gate_up_BS2F[:, :, 1], "mlp")
+        gate_BSF = saved(jnp.einsum("bsd,df->bsf", x_BSD, self.w_gate_DF[...], precision=p), "mlp")
+        up_BSF = saved(jnp.einsum("bsd,df->bsf", x_BSD, self.w_up_DF[...], precision=p), "mlp")
         hidden_BSF = saved(jax.nn.silu(gate_BSF) * up_BSF, "mlp")
         return jnp.einsum("bsf,fd->bsd", hidden_BSF, self.w_down_FD[...], precision=p)
 

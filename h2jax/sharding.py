@@ -23,9 +23,7 @@ RULES: dict[str, str | None] = {
     "act_embed": "tensor",  # an activation crossing a stage boundary: d_model split over tensor
     "heads": "tensor",
     "kv_heads": "tensor",
-    "qkv": None,  # a kv group's G query heads, its key and its value (model.Attention)
     "head_dim": None,
-    "gate_up": None,  # the MLP's gate and up projections (model.SwiGLU)
     "mlp": "tensor",
     "vocab": "tensor",
 }

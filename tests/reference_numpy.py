@@ -4,9 +4,7 @@ h2jax.model is checked against (tests/test_references.py).
 It shares no code with h2jax.model: written from the textbook definitions (LLaMA's RMSNorm,
 rotary embeddings on the two halves of each head, grouped-query causal attention, SwiGLU,
 mean next-token cross-entropy). Parameters are plain numpy arrays keyed by the names of the
-model's flat parameter tree ("layer_000/attn/wqkv_DKGE", ...), so one set of weights feeds both.
-The model's fused projections are taken apart here by their documented layout: per kv head k,
-its G query heads (query head k * G + g), its key, its value; the MLP's gate, then up.
+model's flat parameter tree ("layer_000/attn/wq_DHE", ...), so one set of weights feeds both.
 """
 
 from __future__ import annotations
@@ -71,12 +69,11 @@ def swiglu(x, w_gate, w_up, w_down):
 def block(x, p, prefix, cfg):
     """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(.))."""
     g = lambda name: np.asarray(p[f"{prefix}/{name}"], np.float64)
-    qkv = g("attn/wqkv_DKGE")  # (D, K, G + 2, E)
-    D, K, G, E = qkv.shape[0], qkv.shape[1], qkv.shape[2] - 2, qkv.shape[3]
-    wq, wk, wv = qkv[:, :, :G].reshape(D, K * G, E), qkv[:, :, G], qkv[:, :, G + 1]
-    h = x + attention(rms_norm(x, g("attn_norm/scale"), cfg.norm_eps), wq, wk, wv, g("attn/wo_HED"), cfg.rope_theta)
-    gate_up = g("mlp/w_gate_up_D2F")  # (D, 2, F)
-    return h + swiglu(rms_norm(h, g("mlp_norm/scale"), cfg.norm_eps), gate_up[:, 0], gate_up[:, 1],
+    h = x + attention(
+        rms_norm(x, g("attn_norm/scale"), cfg.norm_eps),
+        g("attn/wq_DHE"), g("attn/wk_DKE"), g("attn/wv_DKE"), g("attn/wo_HED"), cfg.rope_theta,
+    )
+    return h + swiglu(rms_norm(h, g("mlp_norm/scale"), cfg.norm_eps), g("mlp/w_gate_DF"), g("mlp/w_up_DF"),
                       g("mlp/w_down_FD"))
 
 

@@ -94,7 +94,7 @@ def test_other_plan_resumes_within_f32_tolerance(straight, saved, dataset):
     for ex in trainer.executors.values():
         checkpoint.restore(ex)
     # The optimizer moments now lie split over the new stages' data axes (ZeRO-1).
-    mu = trainer.executors[1].opt_state[0].mu["layer_001"]["mlp"]["w_gate_up_D2F"]
+    mu = trainer.executors[1].opt_state[0].mu["layer_001"]["mlp"]["w_up_DF"]
     assert "data" in str(mu.sharding.spec)
     losses = train(trainer, dataset, 3, 3)
     np.testing.assert_allclose(first + losses, straight[0], rtol=1e-5)

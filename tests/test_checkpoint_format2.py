@@ -1,8 +1,7 @@
 """Checkpoints written before format 3 (format 2: one orbax item per writing unit, a packed
 byte array per group) still resume. `tests/data/checkpoint-format2` was written by the code of
 2026-12-03 (1132770): the model below under the two-stage plan TWO, one AdamW step on the batch
-below. It holds q, k, v, gate and up as separate weights (and moments), as the model stored
-them until 2026-12-07: they load fused (`model.fuse_legacy`)."""
+below."""
 
 from pathlib import Path
 

@@ -24,7 +24,7 @@ def test_stage_slices_initialize_the_whole_models_parameters():
     for name in whole:
         assert np.array_equal(parts[name], whole[name]), name
     other_seed = params_of(StageModel(CFG, 0, 1, seed=8))
-    assert not np.array_equal(other_seed["layer_000/attn/wqkv_DKGE"], whole["layer_000/attn/wqkv_DKGE"])
+    assert not np.array_equal(other_seed["layer_000/attn/wq_DHE"], whole["layer_000/attn/wq_DHE"])
 
 
 def test_parameter_count_matches_config():
@@ -103,11 +103,9 @@ def test_gqa_matches_repeated_kv_heads():
     gqa_model = StageModel(cfg, 0, 1, seed=0)
     mha_model = StageModel(mha, 0, 1, seed=0)
     attn_g, attn_m = gqa_model.layer_000.attn, mha_model.layer_000.attn
-    # GQA: (D, K=2, G=2 queries + key + value, E); MHA: each query head its own kv group
-    # (D, 4, 1 + key + value, E) with its group's key and value
-    qkv = attn_g.wqkv_DKGE[...]
-    kv = jnp.repeat(qkv[:, :, 2:], 2, axis=1)
-    attn_m.wqkv_DKGE[...] = jnp.concatenate([qkv[:, :, :2].reshape(32, 4, 1, -1), kv], axis=2)
+    attn_m.wq_DHE[...] = attn_g.wq_DHE[...]
     attn_m.wo_HED[...] = attn_g.wo_HED[...]
+    attn_m.wk_DKE[...] = jnp.repeat(attn_g.wk_DKE[...], 2, axis=1)
+    attn_m.wv_DKE[...] = jnp.repeat(attn_g.wv_DKE[...], 2, axis=1)
     x = jax.random.normal(jax.random.key(0), (2, 6, 32))
     np.testing.assert_allclose(np.asarray(attn_g(x)), np.asarray(attn_m(x)), rtol=1e-5, atol=1e-6)

@@ -350,8 +350,8 @@ def test_kills_model_every_matmul_takes_the_stages_precision():
     model = StageModel(cfg, 0, 1, seed=0, precision=jax.lax.Precision.HIGHEST)
     tokens = np.zeros((1, 8), np.int32)
     precisions = _dot_precisions(jax.make_jaxpr(lambda t: model(t, t))(tokens).jaxpr)
-    # q/k/v (fused), scores, weighted values, out projection; gate/up (fused), down; the head
-    assert len(precisions) == 7
+    # q, k, v, scores, weighted values, out projection; gate, up, down; the head
+    assert len(precisions) == 10
     highest = jax.lax.Precision.HIGHEST
     assert all(p == (highest, highest) for p in precisions), precisions
 
@@ -395,11 +395,13 @@ def test_kills_model_every_parameter_has_the_stage_dtype_and_its_logical_axes():
     model = StageModel(cfg, 0, 1, seed=0, dtype=jnp.bfloat16)
     got = {".".join(map(str, path)): (v[...].dtype, v.logical_axes)
            for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    heads = ("embed", "heads", "head_dim")
+    kv = ("embed", "kv_heads", "head_dim")
     expected = {
         "embed.table_VD": ("vocab", "embed"), "head.norm.scale": ("embed",), "head.w_DV": ("embed", "vocab"),
-        "layer_000.attn.wqkv_DKGE": ("embed", "kv_heads", "qkv", "head_dim"),
+        "layer_000.attn.wq_DHE": heads, "layer_000.attn.wk_DKE": kv, "layer_000.attn.wv_DKE": kv,
         "layer_000.attn.wo_HED": ("heads", "head_dim", "embed"), "layer_000.attn_norm.scale": ("embed",),
-        "layer_000.mlp.w_gate_up_D2F": ("embed", "gate_up", "mlp"),
+        "layer_000.mlp.w_gate_DF": ("embed", "mlp"), "layer_000.mlp.w_up_DF": ("embed", "mlp"),
         "layer_000.mlp.w_down_FD": ("mlp", "embed"), "layer_000.mlp_norm.scale": ("embed",),
     }
     assert got == {name: (jnp.dtype(jnp.bfloat16), axes) for name, axes in expected.items()}
@@ -416,7 +418,7 @@ def test_kills_model_layer_names_and_initial_scale():
     model = StageModel(cfg, 0, 2, seed=3)
     assert np.all(np.asarray(model.layer_000.attn_norm.scale[...]) == 1.0)
     assert np.all(np.asarray(model.head.norm.scale[...]) == 1.0)
-    w = np.asarray(model.layer_001.mlp.w_gate_up_D2F[...])
+    w = np.asarray(model.layer_001.mlp.w_up_DF[...])
     assert abs(w.std() - 0.05) < 0.005 and abs(w.mean()) < 0.005  # N(0, init_std)
     table = np.asarray(model.embed.table_VD[...])
     assert abs(table.std() - 1.0) < 0.05  # the embedding is N(0, 1)
@@ -463,10 +465,10 @@ def test_kills_model_initialization_keys_are_the_documented_ones():
     model = StageModel(cfg, 0, 2, seed=5)
     expected = {
         "embed": Embed(cfg, jax.random.fold_in(root, 2)).table_VD[...],
-        "layer_001": Block(cfg, jax.random.fold_in(root, 1)).mlp.w_gate_up_D2F[...],
+        "layer_001": Block(cfg, jax.random.fold_in(root, 1)).mlp.w_up_DF[...],
         "head": Head(cfg, jax.random.fold_in(root, 3)).w_DV[...],
     }
-    got = {"embed": model.embed.table_VD[...], "layer_001": model.layer_001.mlp.w_gate_up_D2F[...],
+    got = {"embed": model.embed.table_VD[...], "layer_001": model.layer_001.mlp.w_up_DF[...],
            "head": model.head.w_DV[...]}
     for name in expected:
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(expected[name]), err_msg=name)

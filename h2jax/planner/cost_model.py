@@ -47,7 +47,7 @@ carry one, so over (m + p - 1) slots of a uniform 1F1B pipeline the step grows b
 
 Tensor parallelism (Megatron, no sequence parallelism): two all-reduces of n*d activations
 per layer forward and two backward (one more if the backward recomputes the forward:
-`tensor_all_reduces`, what the runtime compiles), as a
+`tensor_all_reduces`; the runtime's backward runs five, TENSOR_BACKWARD_RUN, a known gap), as a
 ring on intra-node bandwidth (if T exceeds chips_per_node: each chip's share of its node's
 NICs, inter_node_share = min(inter_node_gbps, nics_per_node * inter_node_gbps / chips on
 the node)):
@@ -205,10 +205,18 @@ def tensor_all_reduces(recompute: str) -> tuple[int, int]:
     `tensor`): forward the attention's and the MLP's output projections; backward the input
     gradients of the q/k/v and of the gate/up projections; under `full` recomputation also the
     recomputed forward's attention projection (the MLP's is not recomputed: its output, the
-    block's, is not needed for the gradients). What the runtime compiles (the model fuses q/k/v
-    and gate/up into one matmul each, so each input gradient is one all-reduce):
-    tests/test_tensor_parallel_collectives.py counts them in the compiled programs."""
+    block's, is not needed for the gradients). The forward is what XLA compiles; its backward
+    all-reduces each of the q, k, v, gate and up input gradients on its own (TENSOR_BACKWARD_RUN
+    all-reduces, three more than priced: a known gap, docs/planner.md)."""
     return 2, 3 if recompute == "full" else 2
+
+
+# What the runtime's compiled backward holds per layer on XLA:CPU (the one backend this was
+# counted on): the five column-parallel input gradients all-reduced one by one (+1 under
+# full recomputation). XLA's GPU compiler reassociates sums of all-reduces into one
+# (AllReduceReassociate), which would leave the two priced there: unverified, no GPU here.
+# tests/test_tensor_parallel_collectives.py pins it beside the model's.
+TENSOR_BACKWARD_RUN = {"none": 5, "selective": 5, "full": 6}
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int, kernel: str = "xla") -> float:

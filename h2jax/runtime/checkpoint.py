@@ -449,21 +449,6 @@ def unpack_leaf(path: str, want, found: list[tuple[dict, np.ndarray]], where: st
     return out
 
 
-def unpack_param(path: str, want, found: list[tuple[dict, np.ndarray]], where: str) -> np.ndarray:
-    """`unpack_leaf`, or for a fused weight (its parameter or optimizer moment) that a
-    checkpoint written before the fusion holds as separate parts, the parts unpacked and fused
-    (model.LEGACY_PARTS)."""
-    from h2jax.model import LEGACY_PARTS, fuse_legacy, legacy_shapes
-
-    prefix, _, name = path.rpartition("/")
-    parts = LEGACY_PARTS.get(name)
-    if parts is None or any(e["path"] == path for layout, _ in found for e in layout):
-        return unpack_leaf(path, want, found, where)
-    shapes = legacy_shapes(name, tuple(want.shape))
-    return fuse_legacy(name, [unpack_leaf(f"{prefix}/{part}", jax.ShapeDtypeStruct(shape, want.dtype), found, where)
-                              for part, shape in zip(parts, shapes)])
-
-
 # ----------------------------------------------------------------------------- file checks
 
 
@@ -963,7 +948,7 @@ class Checkpoint:
             for g, tree in groups.items():
                 where = str(self.path / (self.meta["groups"][g][0] + MANIFEST))
                 for path, want in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                    hosts.append(unpack_param(_path_name(path), want, found[g], where))
+                    hosts.append(unpack_leaf(_path_name(path), want, found[g], where))
                     targets.append(want)
         if all(t.sharding.is_fully_addressable for t in targets):
             arrays = iter(jax.device_put(hosts, [t.sharding for t in targets]))
