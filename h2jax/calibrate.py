@@ -290,8 +290,7 @@ def _head_scale(plan: Plan, chips: Mapping[str, Any], only: Profile, options: cm
     terms, over the head's modelled time (head_scale 1 in `only`)."""
     st, i = plan.stages[-1], plan.n_stages - 1
     held, deferred = cm.memory_holds(plan.schedule, i, plan.n_stages, plan.n_micro, cm.virtual_stages(plan))
-    shape = StageShape(plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
-                       st.recompute)
+    shape = StageShape.of_stage(plan, i, chips[st.chip])
     no_head = cm.stage_terms(shape, i == 0, False, held, only, options, deferred,
                              get_schedule(plan.schedule).splits_backward)
     head = (t_last.fwd_end + t_last.bwd_end) - (no_head.fwd_end + no_head.bwd_end)

@@ -530,8 +530,7 @@ def plan_stage_terms(
                 f"stages[{i}].chip {st.chip!r} is not in the cluster; it has {', '.join(chips) or '(none)'}"
             )
         held, deferred = memory_holds(plan.schedule, i, p, plan.n_micro, virtual_stages(plan))
-        shape = StageShape(plan.model, plan.seq_len, plan.micro_batch, chips[st.chip], st.mesh.data, st.mesh.tensor,
-                           st.recompute)
+        shape = StageShape.of_stage(plan, i, chips[st.chip])
         out.append(stage_terms(shape, i == 0, i == p - 1, held, profile, options, deferred,
                                get_schedule(plan.schedule).splits_backward))
     return out

@@ -9,6 +9,7 @@ import dataclasses
 
 from h2jax.cluster import ChipType
 from h2jax.config import ModelConfig
+from h2jax.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,3 +26,9 @@ class StageShape:
     def tokens(self) -> float:
         """Tokens a device sees per micro-batch: micro_batch / data * seq_len."""
         return self.micro_batch / self.data * self.seq_len
+
+    @classmethod
+    def of_stage(cls, plan: Plan, i: int, chip: ChipType) -> "StageShape":
+        """The shape of the plan's stage i, on `chip` (its chip type's figures)."""
+        st = plan.stages[i]
+        return cls(plan.model, plan.seq_len, plan.micro_batch, chip, st.mesh.data, st.mesh.tensor, st.recompute)
