@@ -223,9 +223,15 @@ def test_tensor_parallel_pays_ring_all_reduces_on_the_right_link():
     mem2 = n * 4 * (10 * 64 + (2 * (4 + 2) * 16 + 3 * 128) / 2) / hbm
     assert t2.fwd_layer == pytest.approx(
         (t1.fwd_layer - scores - mem1) * rate1 / rate2 / 2 + scores / 2 + mem2 + 2 * ar, rel=1e-12)
+    # backward: XLA:CPU (these chips' platform) all-reduces the five column-parallel input
+    # gradients one by one; elsewhere Megatron's two (their sums reduced once)
     assert t2.bwd_layer == pytest.approx(
-        (t1.bwd_layer - 2 * scores - 2 * mem1) * rate1 / rate2 / 2 + scores + 2 * mem2 + 2 * ar, rel=1e-12
+        (t1.bwd_layer - 2 * scores - 2 * mem1) * rate1 / rate2 / 2 + scores + 2 * mem2 + 5 * ar, rel=1e-12
     )
+    gpu = dataclasses.replace(c, platform="cuda", kernels=c.kernels)
+    t2_gpu = cm.stage_terms(StageShape(TINY, s, b, gpu, 1, 2, "none"), False, False, 1)
+    assert t2.bwd_layer - t2_gpu.bwd_layer == pytest.approx(3 * ar, rel=1e-9)
+    assert t2_gpu.fwd_layer == pytest.approx(t2.fwd_layer, rel=1e-12)
     # tensor beyond a node pays the inter-node bandwidth
     c1 = dataclasses.replace(c, chips_per_node=1)
     t2x = cm.stage_terms(StageShape(TINY, s, b, c1, 1, 2, "none"), False, False, 1)

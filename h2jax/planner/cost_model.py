@@ -47,7 +47,8 @@ carry one, so over (m + p - 1) slots of a uniform 1F1B pipeline the step grows b
 
 Tensor parallelism (Megatron, no sequence parallelism): two all-reduces of n*d activations
 per layer forward and two backward (one more if the backward recomputes the forward:
-`tensor_all_reduces`; the runtime's backward runs five, TENSOR_BACKWARD_RUN, a known gap), as a
+`tensor_all_reduces`; on XLA:CPU chips, whose compiler all-reduces each of the five
+column-parallel input gradients on its own, five backward, six under `full`), as a
 ring on intra-node bandwidth (if T exceeds chips_per_node: each chip's share of its node's
 NICs, inter_node_share = min(inter_node_gbps, nics_per_node * inter_node_gbps / chips on
 the node)):
@@ -199,24 +200,21 @@ ATTENTION_BACKWARD = {"xla": 2.0, "cudnn": 2.5, "blocked": 2.5}
 SELECTIVE_RECOMPUTE = {"xla": 0.5, "cudnn": 1.0, "blocked": 0.0}
 
 
-def tensor_all_reduces(recompute: str) -> tuple[int, int]:
-    """(forward, backward) all-reduces of one micro-batch's n x d activation per layer that the
-    model prices on a tensor-parallel stage (Megatron, the residual stream replicated over
-    `tensor`): forward the attention's and the MLP's output projections; backward the input
-    gradients of the q/k/v and of the gate/up projections; under `full` recomputation also the
-    recomputed forward's attention projection (the MLP's is not recomputed: its output, the
-    block's, is not needed for the gradients). The forward is what XLA compiles; its backward
-    all-reduces each of the q, k, v, gate and up input gradients on its own (TENSOR_BACKWARD_RUN
-    all-reduces, three more than priced: a known gap, docs/planner.md)."""
+def tensor_all_reduces(recompute: str, platform: str) -> tuple[int, int]:
+    """(forward, backward) all-reduces of one micro-batch's n x d activation per layer on a
+    tensor-parallel stage of a chip on `platform` (Megatron, the residual stream replicated
+    over `tensor`): forward the attention's and the MLP's output projections. Backward,
+    Megatron's two, the input gradients of the q/k/v and of the gate/up projections, each
+    summed before its all-reduce, plus under `full` recomputation the recomputed forward's
+    attention projection (the MLP's is not recomputed: its output, the block's, is not needed
+    for the gradients). XLA:CPU does not sum the five column-parallel input gradients (q, k,
+    v, gate, up) before reducing them: it all-reduces each on its own, five backward (six
+    under `full`), what `tests/test_tensor_parallel_collectives.py` counts in the compiled
+    program. XLA's GPU compiler reassociates a sum of all-reduces into one
+    (AllReduceReassociate), which leaves Megatron's two there: not counted, no GPU here."""
+    if platform == "cpu":
+        return 2, 6 if recompute == "full" else 5
     return 2, 3 if recompute == "full" else 2
-
-
-# What the runtime's compiled backward holds per layer on XLA:CPU (the one backend this was
-# counted on): the five column-parallel input gradients all-reduced one by one (+1 under
-# full recomputation). XLA's GPU compiler reassociates sums of all-reduces into one
-# (AllReduceReassociate), which would leave the two priced there: unverified, no GPU here.
-# tests/test_tensor_parallel_collectives.py pins it beside the model's.
-TENSOR_BACKWARD_RUN = {"none": 5, "selective": 5, "full": 6}
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int, kernel: str = "xla") -> float:
@@ -326,7 +324,7 @@ def layer_work(model: ModelConfig, seq_len: int, tokens: float, chip: ChipType, 
         recompute_s = recompute_flops / rate + (score_s if recompute_flops else 0.0)
     else:
         recompute_s = 0.0
-    fwd_ar, bwd_ar = tensor_all_reduces(recompute)
+    fwd_ar, bwd_ar = tensor_all_reduces(recompute, chip.platform)
 
     entry = profile.lookup(chip.name, tensor, int(round(tokens)), recompute) if profile else None
     measured_act: int | None = None
