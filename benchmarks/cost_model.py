@@ -15,7 +15,10 @@ data- and tensor-parallel stages, 1 to 16 micro-batches.
    (h2jax.runtime.train.Trainer, what h2jax.run drives); its step time is the median after
    the first (compile) step: `measured_s`. So the calibration and the measurement are two
    runs of the plan; `calibration_step_s` (the calibration run's own step time) shows how
-   much two runs of one plan differ on this machine. For
+   much two runs of one plan differ on this machine. `--rounds R` (default 1) repeats steps 2
+   and 3 R times per plan, each calibration followed by its measurement: `ratio` is then the
+   median of the R rounds' predicted / measured (`round_ratios`), so one slow stretch of a
+   shared host moves one round, not the row. For
    emulated chips each stage's busy seconds per step and its host lag (seconds its chip sat
    ready until the host dispatched: where the host, not the emulated chip, set the pace) are
    reported too, so an emulated row that the host could not keep up with is told apart.
@@ -26,7 +29,7 @@ shared, and a real `cpu` chip's wall time grows with the load (an emulated chip'
 as long as the host keeps up with the emulated pipeline).
 
 Prints one JSON object: per plan predicted, measured, ratio predicted/measured, load.
-    python benchmarks/cost_model.py [--steps 8] [--calibrate-steps 6] [--repeats 9] [--only NAME,...]
+    python benchmarks/cost_model.py [--steps 8] [--calibrate-steps 6] [--repeats 9] [--rounds 1] [--only NAME,...]
 """
 
 from __future__ import annotations
@@ -146,6 +149,8 @@ def main() -> None:
     ap.add_argument("--calibrate-steps", type=int, default=6, help="steps of each plan's calibration run")
     ap.add_argument("--repeats", type=int, default=9, help="timed runs per profiled shape (median)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="calibrations, each followed by a measurement, per plan; the ratio is the rounds' median")
     ap.add_argument("--only", default="", help="comma-separated plan names (default: all)")
     args = ap.parse_args()
 
@@ -157,6 +162,8 @@ def main() -> None:
     from h2jax.calibrate import calibrate
     from h2jax.planner import iteration_time, predict, stage_costs
 
+    if args.rounds < 1:
+        sys.exit(f"--rounds must be at least 1 (a calibration and its measurement), got {args.rounds}")
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(PLANS)
     unknown = [n for n in names if n not in PLANS]
     if unknown:
@@ -169,24 +176,30 @@ def main() -> None:
     for name, plan in plans.items():
         cluster = plan_cluster_of(plan)
         profiled = predict(plan, cluster, profile)["step_time_s"]
-        t0 = time.perf_counter()
-        calibration, calibrated = calibrate(plan, args.calibrate_steps, cluster=cluster, profile=profile)
-        calibrate_s = time.perf_counter() - t0
-        # the cost model's closed form on the calibrated stage costs (what predict's step time is;
-        # predict would also re-check memory, which the plan passed above)
-        predicted = iteration_time(stage_costs(plan, cluster, calibrated), plan.n_micro, plan.schedule,
-                                   plan.virtual_stages)
+        rounds = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            calibration, calibrated = calibrate(plan, args.calibrate_steps, cluster=cluster, profile=profile)
+            calibrate_s = time.perf_counter() - t0
+            # the cost model's closed form on the calibrated stage costs (what predict's step time
+            # is; predict would also re-check memory, which the plan passed above)
+            predicted = iteration_time(stage_costs(plan, cluster, calibrated), plan.n_micro, plan.schedule,
+                                       plan.virtual_stages)
+            before = load()
+            measured, row = measure(plan, args.steps)
+            rounds.append((predicted / measured, predicted, measured, calibration, calibrated, calibrate_s, before, row))
+        # the round of the median ratio (an odd count: that round; even: the upper middle one)
+        _, predicted, measured, calibration, calibrated, calibrate_s, before, row = sorted(rounds, key=lambda r: r[0])[
+            len(rounds) // 2]
         # what the cost model says each stage's chip is busy for in one step (compare stage_busy_s)
         predicted_busy = [round(plan.n_micro * (c.forward_s + c.backward_s) + c.optimizer_s + c.dp_reduce_s, 4)
                           for c in stage_costs(plan, cluster, calibrated)]
-        before = load()
-        measured, row = measure(plan, args.steps)
         rows.append({
             "plan": name,
             "stages": [f"{s.chip} {s.mesh.data}x{s.mesh.tensor} layers {list(s.layers)}" for s in plan.stages],
             "micro_batches": plan.n_micro, "micro_batch": plan.micro_batch,
             "predicted_s": round(predicted, 5), "measured_s": round(measured, 5),
-            "ratio": round(predicted / measured, 3),
+            "ratio": round(predicted / measured, 3), "round_ratios": [round(r[0], 3) for r in rounds],
             "predicted_profiled_s": round(profiled, 5), "ratio_profiled": round(profiled / measured, 3),
             "calibration_step_s": round(next(r.measured_s for r in calibration if r.term == "step"), 5),
             "calibrate_seconds": round(calibrate_s, 1),
