@@ -494,19 +494,87 @@ def test_the_local_search_starts_are_proved_on_a_small_space_and_incumbents_on_a
     top.push(plan_at(3.5, 6))  # no incumbent: not a start
     top.push(plan_at(2.0, 7))  # an incumbent: the first start
     assert top.bound == 2.0 and [c.time_s for c in top.sorted()] == [2.0, 3.0, 4.0]
+    top.ceiling = 1.5  # a two-shape plan known (search._EarlyClimb): the search proves only what beats it
+    assert top.bound == 1.5
+    top.push(plan_at(1.8, 8))  # slower than it: not a start, not the best
+    top.push(plan_at(1.2, 9))
+    assert top.bound == 1.2 and [c.time_s for c in top.sorted()] == [1.2, 2.0, 3.0]
+
+
+def _search_768(mixed_shapes: bool, climb_early: bool):
+    """1F1B's search on the 768-chip cluster (llama-100b, 8M tokens), as `top_k` makes it
+    (`climb_early`: as it does for one schedule)."""
+    return search._search_one(load_cluster(REPO / "plans" / "cluster-768.toml"), "llama-100b", 4096, 2048, 1,
+                              "1f1b", 1, False, None, None, search.RECOMPUTE_POLICIES, CostOptions(), None,
+                              mixed_shapes, climb_early=climb_early)
 
 
 def test_on_a_large_space_the_search_for_the_starts_prunes_as_the_search_for_the_best():
-    """Beyond WIDE_SPACE the exact search under two shapes bounds the rows of the search for
-    the best plan alone, not those of the search for the best three (which its starts are not
-    then: `search._Starts`)."""
+    """Beyond WIDE_SPACE the exact search under two shapes (the local search after it, as
+    under `--schedule auto`) bounds the rows of the search for the best plan alone, not those
+    of the search for the best three (which its starts are not then: `search._Starts`)."""
     args = (load_cluster(REPO / "plans" / "cluster-768.toml"), "llama-100b", 4096, 2048)
     (one,), one_stats = top_k(*args)
     _, three_stats = top_k(*args, k=3)
+    two = _search_768(mixed_shapes=True, climb_early=False)
+    assert two.stats.space_size > search.WIDE_SPACE and two.stats.one_shape_time_s == one.time_s
+    assert two.stats.one_shape_proved
+    assert two.stats.bound_rows == one_stats.bound_rows < three_stats.bound_rows
+    assert two.found[0].time_s < one.time_s
+
+
+def test_on_a_large_space_one_schedule_climbs_first_and_proves_only_that_no_one_shape_plan_beats_it(capsys):
+    """One schedule, k = 1, beyond WIDE_SPACE: the local search climbs from the dives' plans
+    before the exact search searches its boxes (`search._EarlyClimb`), which then proves only
+    that no one-shape plan beats the plan reached: the same plan as climbing after the whole
+    exact search, fewer rows bounded, the plan's time the bound, the one-shape optimum (here
+    found by the dives, 2 % slower) not proved; `h2jax plan` says so."""
+    from h2jax.cli.plan import print_table
+
+    args = (load_cluster(REPO / "plans" / "cluster-768.toml"), "llama-100b", 4096, 2048)
+    (one,), one_stats = top_k(*args)
     (two,), two_stats = top_k(*args, mixed_shapes=True)
-    assert two_stats.space_size > search.WIDE_SPACE and two_stats.one_shape_time_s == one.time_s
-    assert two_stats.bound_rows == one_stats.bound_rows < three_stats.bound_rows
-    assert two.time_s < one.time_s
+    after = _search_768(mixed_shapes=True, climb_early=False).found[0]
+    assert two_stats.space_size > search.WIDE_SPACE and two.time_s == after.time_s < one.time_s * 0.99
+    assert two_stats.proved_optimal and not two_stats.one_shape_proved
+    assert two_stats.lower_bound_s == two.time_s and two_stats.one_shape_time_s >= one.time_s
+    assert two_stats.bound_rows < one_stats.bound_rows
+    result = plan_cluster(*args, schedule="1f1b", baselines=False)
+    assert result.plan.predicted["one_shape_proved"] is False
+    print_table(result, args[0], None)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "proved faster than every plan with one shape per chip type" in out
+    assert "was not searched for" in out and "among plans with one shape" not in out
+
+
+def test_a_ceiling_above_the_one_shape_optimum_loses_nothing(monkeypatch):
+    """Where the early climb's plan is slower than the one-shape optimum (here made so: the
+    slowest of the dives' plans, unclimbed), the exact search still finds the optimum under it,
+    proves it, and climbs from it: the plan of the search without the early climb."""
+    def slowest_start(self, top, stats):
+        self.plan = top.sorted()[-1]
+        top.ceiling = self.plan.time_s
+
+    (one,), _ = top_k(load_cluster(REPO / "plans" / "cluster-768.toml"), "llama-100b", 4096, 2048)
+    monkeypatch.setattr(search._EarlyClimb, "__call__", slowest_start)
+    early = _search_768(mixed_shapes=True, climb_early=True)
+    after = _search_768(mixed_shapes=True, climb_early=False)
+    assert early.stats.one_shape_proved and early.stats.one_shape_time_s == one.time_s
+    assert early.found[0].time_s == after.found[0].time_s < one.time_s
+
+
+def test_an_early_climb_that_finds_nothing_faster_leaves_the_one_shape_optimum_proved(monkeypatch):
+    """Where the early climb ends at its start (made so: the dives' best, here the one-shape
+    optimum, unclimbed) no one-shape plan beats it: it is the one-shape optimum, proved."""
+    def no_move(self, top, stats):
+        self.plan = top.sorted()[0]
+        top.ceiling = self.plan.time_s
+
+    (one,), _ = top_k(load_cluster(REPO / "plans" / "cluster-768.toml"), "llama-100b", 4096, 2048)
+    monkeypatch.setattr(search._EarlyClimb, "__call__", no_move)
+    early = _search_768(mixed_shapes=True, climb_early=True)
+    assert early.stats.one_shape_proved and early.stats.proved_optimal
+    assert early.stats.one_shape_time_s == early.found[0].time_s == one.time_s
 
 
 def test_on_a_large_space_the_local_search_climbs_only_from_starts_near_the_best(monkeypatch):
@@ -514,6 +582,7 @@ def test_on_a_large_space_the_local_search_climbs_only_from_starts_near_the_best
     climbed from only within START_GAP of it: the 64-chip cluster's incumbents after the best
     are 2.8 % and 7.4 % slower (all three climb where the gap allows them)."""
     monkeypatch.setattr(search, "WIDE_SPACE", 0)
+    monkeypatch.setattr(search._EarlyClimb, "__call__", lambda self, top, stats: None)  # (the climbs after)
     starts = []
     monkeypatch.setattr(search, "refine", lambda ctx, given, *rest: (starts.append(given), given[0])[1])
     args = (load_cluster(C64), "llama-100b", 4096, 2048)

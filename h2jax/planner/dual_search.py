@@ -47,7 +47,7 @@ import heapq
 import itertools
 import math
 import time
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -579,7 +579,7 @@ def _shrink(batch: _Batch, lo: np.ndarray, hi: np.ndarray, gap: float) -> np.nda
 def search(
     ctx: Context, micro_batches: Sequence[int], top: TopK, stats: SearchStats, deadline: float = math.inf,
     dives: int = DIVE_BATCHES, start: Sequence[_Box] | None = None, left: list[_Box] | None = None,
-    max_work: float | None = None,
+    max_work: float | None = None, after_dives: Callable[[], None] | None = None,
 ) -> None:
     """Fill `top` with the K best stage lists of the space, exactly; raises OutOfTime (with
     stats.lower_bound_s a valid lower bound on the optimum) when the deadline passes.
@@ -590,7 +590,10 @@ def search(
     its micro-batch sizes' roots (and makes no dives). `left`: where an exception (OutOfTime,
     OverBudget, or the caller's `top` ending the search) leaves the boxes still open: those on
     the heap, those being split and the one being resolved. `max_work`: raise OverBudget once
-    the search has bound that many rows, plus LIST_WORK per stage list walked or solved."""
+    the search has bound that many rows, plus LIST_WORK per stage list walked or solved.
+    `after_dives()` runs once the dives have found their incumbents, before the boxes are
+    searched: it may lower `top.bound` (search._Starts' ceiling: a two-shape plan found from
+    them), and the search then proves only what beats it."""
     L = ctx.model.n_layers
     solved: set = set()
     counter = itertools.count()
@@ -650,6 +653,8 @@ def search(
         for hi, (lb, lam_f, _) in zip(corners, _bounds(batch, L, corners, [lam] * len(corners))):
             if math.isfinite(lb):
                 enum.run(batch.corner(batch.v_feasible, 0.0), hi, lam_f, max_leaves=DIVE_LEAVES)
+    if after_dives is not None:
+        after_dives()
 
     def push_all(boxes: list[_ToBound]) -> None:
         """Bound boxes, those of one micro-batch size in one DP per round, and push those that
@@ -755,6 +760,6 @@ def search(
                             for b in [*open_boxes, *heap])
             stats.bound_rows = rows_bound()
             raise
-    if top.heap:
-        stats.lower_bound_s = top.sorted()[0].time_s
+    if top.heap:  # (a bound lowered below every plan in `top`, `after_dives`'s, is what was proved)
+        stats.lower_bound_s = min(top.sorted()[0].time_s, top.bound)
     stats.bound_rows = rows_bound()

@@ -161,6 +161,7 @@ def plan_cluster(
     )
     if stats.one_shape_time_s is not None:  # the best plan with one shape per type (the search's objective)
         predicted["one_shape_step_time_s"] = stats.one_shape_time_s
+        predicted["one_shape_proved"] = stats.one_shape_proved  # (False: the best one-shape plan found)
         predicted["two_shapes_faster_by"] = 1.0 - best.time_s / stats.one_shape_time_s
     if stats.two_shapes_proved is not None:  # prove_two_shapes: the two-shape space's proof
         predicted["two_shapes_proved"] = stats.two_shapes_proved

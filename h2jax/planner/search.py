@@ -64,14 +64,16 @@ from h2jax.cluster import Cluster
 
 def _search_dual(
     ctx: Context, micro_batches: Sequence[int], k: int, stats: SearchStats, deadline: float = math.inf,
-    cutoff: float = math.inf, starts: int = 0,
+    cutoff: float = math.inf, starts: int = 0, early: _EarlyClimb | None = None,
 ) -> list[Candidate]:
     """Boxes of (steady, tail) thresholds with Lagrangian bounds (dual_search.py); with a
     `cutoff`, only the plans faster than it. With `starts` > k, the k fastest are followed by
-    others, up to `starts` in all (`_Starts`: the local search's)."""
+    others, up to `starts` in all (`_Starts`: the local search's); `early` (with them) climbs
+    from the dives' plans before the boxes are searched (`_EarlyClimb`)."""
     top = TopK(k, cutoff) if starts <= k else _Starts(k, starts, cutoff, stats)
+    after_dives = None if early is None else (lambda: early(top, stats))
     try:
-        dual_search.search(ctx, micro_batches, top, stats, deadline)
+        dual_search.search(ctx, micro_batches, top, stats, deadline, after_dives=after_dives)
     except OutOfTime:
         stats.proved_optimal = False
     return top.sorted()
@@ -268,7 +270,11 @@ def top_k(
     REFINE_STARTS of its plans, the best first (`_Starts`), by a local search
     (mixed_shapes.refine; `stats.one_shape_time_s` keeps the best plan with one shape per
     type, which is what `proved_optimal` speaks of) and
-    the exhaustive reference enumerates every two-shape stage list. `prove_two_shapes` (with
+    the exhaustive reference enumerates every two-shape stage list. With one schedule and
+    k = 1, on a space of more than WIDE_SPACE lists, the local search climbs from the exact
+    search's first plans, before it searches its boxes, and the exact search then proves only
+    that no one-shape plan beats the plan reached (`_EarlyClimb`; `stats.one_shape_proved`
+    false where none did: `one_shape_time_s` is then the best one-shape plan found). `prove_two_shapes` (with
     `mixed_shapes`) then proves the best plan optimal in the two-shape space
     (chip_split.prove; `stats.two_shapes_proved`), within the time limit; `workers`
     processes search its nodes at once once it has run a second (spawned: they import the
@@ -368,6 +374,7 @@ def top_k(
         stats.lower_bound_s = min(stats.lower_bound_s, st.lower_bound_s)
         if st.one_shape_time_s is not None:
             stats.one_shape_time_s = min(st.one_shape_time_s, stats.one_shape_time_s or math.inf)
+            stats.one_shape_proved &= st.one_shape_proved
         if st.two_shapes_proved is not None:  # proved for every schedule: the best of them is proved
             stats.two_shapes_proved = st.two_shapes_proved and stats.two_shapes_proved is not False
             stats.two_shape_nodes += st.two_shape_nodes
@@ -464,6 +471,7 @@ class _Starts:
 
     def __init__(self, k: int, n: int, cutoff: float, stats: SearchStats) -> None:
         self.best, self.starts, self.stats, self.cutoff = TopK(k, cutoff), TopK(n, cutoff), stats, cutoff
+        self.ceiling = math.inf  # a plan of the two-shape space known (`_EarlyClimb`): none slower counts
 
     @property
     def _ranked(self) -> TopK:
@@ -472,7 +480,7 @@ class _Starts:
 
     @property
     def bound(self) -> float:
-        return self._ranked.bound
+        return min(self._ranked.bound, self.ceiling)
 
     @property
     def heap(self) -> list:
@@ -489,6 +497,33 @@ class _Starts:
 
     def sorted(self) -> list[Candidate]:
         return self.starts.sorted()
+
+
+class _EarlyClimb:
+    """On a large one-shape space (more than WIDE_SPACE lists), with k = 1: the local search
+    from the exact search's first plans, those its dives found (`dual_search.search`'s
+    `after_dives`), before it searches its boxes. The plan it reaches (`plan`) is the
+    search's ceiling (`_Starts.ceiling`): the exact search then proves only that no one-shape
+    plan beats it (and finds any that does: `_search_one` climbs from those too), not the
+    one-shape optimum itself, a proof that on 2,432 chips took about as long again
+    (`stats.one_shape_proved` says which was proved). The climb passes through one-shape lists
+    as well (the exact search has not yet proved them slower)."""
+
+    def __init__(self, ctx: Context, micro_batches: Sequence[int], deadline: float) -> None:
+        self.ctx, self.micro_batches, self.deadline = ctx, micro_batches, deadline
+        self.plan: Candidate | None = None
+
+    def __call__(self, top: _Starts, stats: SearchStats) -> None:
+        if _small_space(stats) or not top.heap or top.k != 1:
+            return  # (a small space: its n fastest one-shape lists proved first, then climbed from)
+        proved, stats.proved_optimal = stats.proved_optimal, False  # (one-shape lists climbed through)
+        try:
+            plans = [refine(self.ctx, [c], self.micro_batches, stats, self.deadline)
+                     for c in top.sorted()[:REFINE_STARTS]]
+        finally:
+            stats.proved_optimal = proved
+        self.plan = min(plans, key=lambda c: c.time_s)
+        top.ceiling = self.plan.time_s
 
 
 def _neighbour_starts(ctx: Context, b: int, micro_batches: Sequence[int], starts: Sequence[Candidate],
@@ -537,6 +572,7 @@ class _Searched:
 def _search_one(
     cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches, recompute,
     options, time_limit_s, mixed_shapes=False, cutoff=math.inf, terms_of=None, exact=None, after_exact=None,
+    climb_early=False,
 ) -> _Searched:
     """One schedule's exact search (and, with `mixed_shapes`, the local search over two shapes
     from its best one-shape lists); with a `cutoff`, only for plans faster than it (none found:
@@ -544,7 +580,10 @@ def _search_one(
     `terms_of`: another schedule's context of the same search, whose stage terms it shares.
     `exact`: the exact search's (plans, stats), made elsewhere (`_exact_search`, in a worker)
     with a cutoff no lower than this one: its plans under this cutoff are this search's.
-    `after_exact(ctx, plans)` hears the exact search's plans before the local search starts."""
+    `after_exact(ctx, plans)` hears the exact search's plans before the local search starts.
+    `climb_early` (one schedule, k = 1, no cutoff): on a large space the local search runs
+    from the exact search's first plans, and the exact search then proves only that no
+    one-shape plan beats the plan it reached (`_EarlyClimb`)."""
     ctx = _context(cluster, model, seq_len, global_batch, schedule, v, profile, options, recompute, terms_of)
     mbs = micro_batches_of(global_batch, micro_batches)
     stats = SearchStats()
@@ -557,7 +596,9 @@ def _search_one(
         stats.lower_bound_s = found[0].time_s if found else cutoff
     else:
         # two shapes: the local search starts from REFINE_STARTS one-shape lists (`_Starts`)
-        found, stats = _exact(ctx, mbs, k, mixed_shapes, deadline, cutoff) if exact is None else exact
+        early = _EarlyClimb(ctx, mbs, deadline) if (
+            climb_early and mixed_shapes and k == 1 and exact is None and math.isinf(cutoff)) else None
+        found, stats = _exact(ctx, mbs, k, mixed_shapes, deadline, cutoff, early) if exact is None else exact
         # (`exact`, a worker's, was made under a cutoff no lower: its k' fastest under this one
         # are the k' fastest under it; a search made here has none to drop)
         found = [c for c in found if c.time_s < cutoff]
@@ -567,7 +608,9 @@ def _search_one(
             stats.lower_bound_s = cutoff  # (infinite without one: nothing fits, below)
         if after_exact is not None:
             after_exact(ctx, one_shape)
-        if mixed_shapes and found:
+        if early is not None and early.plan is not None:
+            found = [_after_early_climb(ctx, mbs, found, early.plan, stats, deadline)]
+        elif mixed_shapes and found:
             stats.one_shape_time_s = found[0].time_s
             starts = found[:REFINE_STARTS]
             wide = _small_space(stats)
@@ -591,6 +634,23 @@ def _search_one(
     return _Searched(found, one_shape, stats, ctx, mbs, deadline)
 
 
+def _after_early_climb(ctx: Context, micro_batches: Sequence[int], one_shape: list[Candidate], plan: Candidate,
+                       stats: SearchStats, deadline: float) -> Candidate:
+    """After the exact search under `_EarlyClimb`'s `plan`: the best one-shape plan found
+    (`one_shape`, fastest first: the dives' plans and any the search found faster than
+    `plan`) is the one-shape optimum only where it is no slower than `plan` (where the climb
+    found nothing faster than its start, or it beats `plan`: `stats.one_shape_proved`); the
+    local search climbs from those that beat it, and the faster of its plan and `plan` wins."""
+    stats.one_shape_time_s = one_shape[0].time_s
+    beat = [c for c in one_shape if c.time_s < plan.time_s]
+    stats.one_shape_proved = stats.proved_optimal and one_shape[0].time_s <= plan.time_s
+    if not beat:
+        return plan
+    starts = [c for c in beat[:REFINE_STARTS] if c.time_s <= beat[0].time_s * (1 + START_GAP)]
+    better = refine(ctx, starts, micro_batches, stats, deadline)
+    return better if better.time_s < plan.time_s else plan
+
+
 def _context(cluster, model, seq_len, global_batch, schedule, v, profile, options, recompute,
              terms_of: Context | None) -> Context:
     """One schedule's search context, sharing `terms_of`'s stage terms where given (another
@@ -600,13 +660,14 @@ def _context(cluster, model, seq_len, global_batch, schedule, v, profile, option
 
 
 def _exact(ctx: Context, micro_batches: Sequence[int], k: int, mixed_shapes: bool, deadline: float,
-           cutoff: float) -> tuple[list[Candidate], SearchStats]:
+           cutoff: float, early: _EarlyClimb | None = None) -> tuple[list[Candidate], SearchStats]:
     """The exact one-shape search (dual_search) for the k fastest plans under `cutoff`, with
     `mixed_shapes` followed by the local search's other starts (`_Starts`, REFINE_STARTS in
-    all); its stats, with its time."""
+    all), and `early` climbing from its first plans; its stats, with its time."""
     stats = SearchStats()
     t0 = time.perf_counter()
-    found = _search_dual(ctx, micro_batches, k, stats, deadline, cutoff, REFINE_STARTS if mixed_shapes else k)
+    found = _search_dual(ctx, micro_batches, k, stats, deadline, cutoff, REFINE_STARTS if mixed_shapes else k,
+                         early)
     stats.search_time_s = time.perf_counter() - t0
     return found, stats
 
@@ -718,7 +779,7 @@ def _top_k_one(
     options, time_limit_s, mixed_shapes=False, prove_two_shapes=False, workers=1, proof_progress=None,
 ) -> tuple[list[Candidate], SearchStats]:
     one = _search_one(cluster, model, seq_len, global_batch, k, schedule, v, exhaustive, profile, micro_batches,
-                      recompute, options, time_limit_s, mixed_shapes)
+                      recompute, options, time_limit_s, mixed_shapes, climb_early=True)
     if prove_two_shapes and not exhaustive:  # (out of time already where the search was: the root's bound)
         _prove(one, k, one.deadline, workers, proof_progress)
     return one.found, one.stats

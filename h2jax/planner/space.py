@@ -127,6 +127,10 @@ class SearchStats:
     # mixed_shapes: the best plan with one shape per chip type (the space proved_optimal speaks
     # of), before the two-shape local search (mixed_shapes.refine); None when not searched
     one_shape_time_s: float | None = None
+    # whether one_shape_time_s is the one-shape optimum (with proved_optimal): False where the
+    # two-shape plan the local search reached from the exact search's first plans was faster
+    # than every one-shape plan, and the exact search proved only that (search._EarlyClimb)
+    one_shape_proved: bool = True
     # prove_two_shapes (chip_split.prove): whether the plan is proved the optimum of the two-shape
     # space (None: not tried), the nodes it took, and a valid lower bound on that optimum
     two_shapes_proved: bool | None = None
