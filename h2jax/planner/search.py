@@ -450,6 +450,12 @@ START_GAP = 0.01
 WIDE_SPACE = 10**9
 
 
+def _near_the_best(plans: Sequence[Candidate]) -> list[Candidate]:
+    """The local search's starts on a large space: the first REFINE_STARTS of `plans`
+    (fastest first) within START_GAP of the first."""
+    return [c for c in plans[:REFINE_STARTS] if c.time_s <= plans[0].time_s * (1 + START_GAP)]
+
+
 def _small_space(stats: SearchStats) -> bool:
     """Whether the one-shape space the search has met (`stats.space_size`) holds at most
     WIDE_SPACE lists: what `_Starts` prunes by and how widely the local search searches."""
@@ -617,7 +623,7 @@ def _search_one(
             if wide:
                 starts = starts + _neighbour_starts(ctx, found[0].micro_batch, mbs, starts, deadline)
             else:
-                starts = [c for c in starts if c.time_s <= starts[0].time_s * (1 + START_GAP)]
+                starts = _near_the_best(found)
             better = refine(ctx, starts, mbs, stats, deadline, wide)
             found = [better] + [c for c in found if c is not better][: k - 1]
     stats.search_time_s = time.perf_counter() - t0
@@ -646,8 +652,7 @@ def _after_early_climb(ctx: Context, micro_batches: Sequence[int], one_shape: li
     stats.one_shape_proved = stats.proved_optimal and one_shape[0].time_s <= plan.time_s
     if not beat:
         return plan
-    starts = [c for c in beat[:REFINE_STARTS] if c.time_s <= beat[0].time_s * (1 + START_GAP)]
-    better = refine(ctx, starts, micro_batches, stats, deadline)
+    better = refine(ctx, _near_the_best(beat), micro_batches, stats, deadline)
     return better if better.time_s < plan.time_s else plan
 
 
